@@ -1,0 +1,147 @@
+"""``rollout-gateway``: one entry point, one subcommand per job.
+
+    serve             run the gateway in front of N vLLM replicas
+    sim-replica       run one simulated vLLM replica (no GPU needed)
+    make-tiny-model   build the tiny local Qwen2 model + LoRA adapters (needs the [vllm] venv)
+    replicas          start/stop/inspect local replicas (real vLLM or --sim)
+
+Every ``serve`` flag also reads ``GATEWAY_<NAME>`` from the environment and ``<name>`` from
+the YAML ``--config`` file (flags win, then env, then file). Secrets also come from files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from importlib import import_module
+from typing import Any
+
+__all__ = ["main"]
+
+# Subcommands implemented elsewhere: name -> (module, help). Each module has main(argv).
+_DELEGATED: dict[str, tuple[str, str]] = {
+    "sim-replica": ("gateway.sim.server", "run a simulated vLLM replica"),
+    "make-tiny-model": ("gateway.local.tiny_model", "build the tiny local model and adapters"),
+    "replicas": ("gateway.local.replicas", "start/stop/inspect local vLLM (or sim) replicas"),
+}
+
+_SERVE_EPILOG = """\
+environment: every flag has a GATEWAY_* variable, e.g. GATEWAY_REPLICAS (comma-separated
+or a JSON list), GATEWAY_PORT, GATEWAY_UPSTREAM_TOKEN, GATEWAY_API_KEY, GATEWAY_ADMIN_KEY,
+GATEWAY_MAX_STALENESS, GATEWAY_ADAPTER_ROOTS (os.pathsep-separated), GATEWAY_CONFIG,
+GATEWAY_LOG_FORMAT. Secrets can be read from files: --upstream-token-file /
+GATEWAY_UPSTREAM_TOKEN_FILE, and likewise for the API and admin keys. Precedence: flags,
+then environment, then the --config YAML file, then defaults. See docs/configuration.md.
+"""
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rollout-gateway serve",
+        description="Serve N vLLM replicas as one TRL-compatible vLLM endpoint.",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    add = p.add_argument
+    add(
+        "--replica",
+        dest="replicas",
+        action="append",
+        metavar="URL",
+        help="upstream vLLM base URL, e.g. http://127.0.0.1:8101 (repeat per replica)",
+    )
+    add("--host", help="address to listen on (default 127.0.0.1)")
+    add("--port", type=int, help="port to listen on (default 8000)")
+    add(
+        "--upstream-token",
+        metavar="TOKEN",
+        help="sent upstream as 'Authorization: Bearer TOKEN'; prefer --upstream-token-file",
+    )
+    add("--upstream-token-file", metavar="FILE", help="read the upstream token from FILE")
+    add("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' from clients")
+    add("--api-key-file", metavar="FILE", help="read the client API key from FILE")
+    add(
+        "--admin-key",
+        metavar="KEY",
+        help="additionally require this key for load/unload/pause/resume/reset",
+    )
+    add("--admin-key-file", metavar="FILE", help="read the admin key from FILE")
+    add(
+        "--max-staleness",
+        type=int,
+        metavar="S",
+        help="keep the newest S+1 versions of each adapter family (default 4)",
+    )
+    add(
+        "--adapter-root",
+        dest="adapter_roots",
+        action="append",
+        metavar="DIR",
+        help="lora_path must resolve inside DIR (repeatable)",
+    )
+    add("--router", help="routing policy (default least_loaded)")
+    add("--config", metavar="FILE", help="YAML file with any of these settings")
+    add("--log-format", choices=["text", "json"], help="log line format (default text)")
+    add("--log-level", help="logging level (default INFO)")
+    add("--health-interval-s", type=float, help="active health probe period (default 2)")
+    add("--max-body-bytes", type=int, help="request body limit (default 32 MiB)")
+    return p  # fmt: skip
+
+
+def serve(argv: Sequence[str]) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.config import load_settings
+    from gateway.logs import configure_logging
+
+    args: dict[str, Any] = vars(_serve_parser().parse_args(argv))
+    config_file = args.pop("config", None)
+    try:
+        settings = load_settings(args, config_file=config_file)
+    except (ValueError, OSError) as exc:
+        print(f"rollout-gateway serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    if not settings.replicas:
+        print("rollout-gateway serve: at least one --replica is required", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def _delegate(module: str) -> Callable[[Sequence[str]], int]:
+    def run(argv: Sequence[str]) -> int:
+        entry: Callable[[list[str]], int | None] = import_module(module).main
+        return entry(list(argv)) or 0
+
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
+        "serve": (serve, "run the gateway in front of N vLLM replicas"),
+        **{name: (_delegate(mod), text) for name, (mod, text) in _DELEGATED.items()},
+    }
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(
+            __doc__ or "", file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
+        )
+        width = max(len(n) for n in commands)
+        for name, (_, text) in commands.items():
+            print(f"  {name:<{width}}  {text}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    run, _ = commands[argv[0]]
+    return run(argv[1:])

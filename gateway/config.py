@@ -1,0 +1,194 @@
+"""Gateway configuration: one frozen, validated ``Settings`` object built once at startup.
+
+Precedence (highest first): command-line flags, ``GATEWAY_*`` environment variables, the
+YAML config file (``--config`` / ``GATEWAY_CONFIG``), then the defaults below. Nothing else
+in the package reads ``os.environ``.
+
+Secrets (``upstream_token``, ``api_key``, ``admin_key``) are ``SecretStr`` so they never
+show up in reprs, logs or ``/gateway/status``; each can also be read from a file
+(``--api-key-file``, ``GATEWAY_API_KEY_FILE``...), which is how Kubernetes and HF Jobs
+mount them. Replicas may carry their own token (YAML ``{url, token | token_file}``),
+which wins over ``upstream_token`` for that replica.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+__all__ = ["ReplicaSpec", "Settings", "load_settings"]
+
+_SECRET_FIELDS = ("upstream_token", "api_key", "admin_key")
+
+
+def _read_secret_file(path: str | os.PathLike[str]) -> str:
+    """Read a one-line secret file; trailing newlines are a mounting artefact, not data."""
+    return Path(path).read_text(encoding="utf-8").strip()
+
+
+class ReplicaSpec(BaseModel):
+    """One upstream vLLM server. The URL may hold credentials; it is never echoed back."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str
+    token: SecretStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _coerce(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"url": value}
+        if isinstance(value, Mapping) and "token_file" in value:
+            data = {k: v for k, v in value.items() if k != "token_file"}
+            data.setdefault("token", _read_secret_file(value["token_file"]))
+            return data
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        url = url.strip().rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("replica URL must start with http:// or https://")
+        return url
+
+
+class Settings(BaseSettings):
+    """Every tunable of ``rollout-gateway serve``; see docs/configuration.md."""
+
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", frozen=True, extra="forbid")
+
+    replicas: Annotated[list[ReplicaSpec], NoDecode] = Field(
+        default_factory=list, description="Upstream vLLM base URLs (repeat --replica)."
+    )
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
+    upstream_token: SecretStr | None = Field(
+        None, description="Sent upstream as 'Authorization: Bearer <token>' (e.g. an HF token)."
+    )
+    api_key: SecretStr | None = Field(
+        None, description="If set, clients must send 'Authorization: Bearer <key>'."
+    )
+    admin_key: SecretStr | None = Field(
+        None, description="If set, load/unload/pause/resume/reset also require this key."
+    )
+    max_staleness: int = Field(4, ge=0, description="Adapter versions kept per family: S+1.")
+    adapter_roots: list[Path] = Field(
+        default_factory=list, description="lora_path must resolve inside one of these."
+    )
+    log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    log_level: str = Field("INFO", description="stdlib logging level.")
+    router: str = Field("least_loaded", description="Routing policy name.")
+
+    # Health checking and ejection.
+    health_interval_s: float = Field(2.0, gt=0, description="Active /health probe period.")
+    health_timeout_s: float = Field(2.0, gt=0, description="Timeout of one health probe.")
+    unhealthy_threshold: int = Field(2, ge=1, description="Failed probes before ejection.")
+    healthy_threshold: int = Field(1, ge=1, description="Good probes before re-admission.")
+
+    # Upstream HTTP.
+    connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect timeout.")
+    read_timeout_s: float = Field(600.0, gt=0, description="Max gap between upstream reads.")
+    broadcast_timeout_s: float = Field(120.0, gt=0, description="Per-replica fan-out timeout.")
+    max_connections: int = Field(1024, ge=1, description="Upstream connection pool size.")
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="Request body limit.")
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _split_replicas(cls, value: Any) -> Any:
+        """Accept a JSON list (env/YAML) or a comma-separated string (env)."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return yaml.safe_load(text)
+            return [part for part in (p.strip() for p in text.split(",")) if part]
+        return value
+
+    @field_validator("adapter_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [p for p in value.split(os.pathsep) if p]
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_secret_files(cls, data: Any) -> Any:
+        """``<secret>_file`` keys (flags, env, YAML) become the secret unless it is set."""
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        for name in _SECRET_FIELDS:
+            path = data.pop(f"{name}_file", None)
+            if path and not data.get(name):
+                data[name] = _read_secret_file(path)
+        return data
+
+    def token_for(self, index: int) -> SecretStr | None:
+        """The bearer token for replica ``index``: its own, else the global one."""
+        return self.replicas[index].token or self.upstream_token
+
+
+def _env_values(environ: Mapping[str, str]) -> dict[str, str]:
+    """``GATEWAY_<FIELD>`` (and ``GATEWAY_<SECRET>_FILE``) values, as raw strings."""
+    names = [*Settings.model_fields, *(f"{name}_file" for name in _SECRET_FIELDS)]
+    return {
+        name: environ[f"GATEWAY_{name.upper()}"]
+        for name in names
+        if environ.get(f"GATEWAY_{name.upper()}")
+    }
+
+
+def load_settings(
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    config_file: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build ``Settings`` from flags (``overrides``), env, YAML file and defaults.
+
+    ``environ`` defaults to ``os.environ``; tests pass their own mapping.
+    """
+    env = os.environ if environ is None else environ
+    path = config_file or env.get("GATEWAY_CONFIG")
+    file_data: dict[str, Any] = {}
+    if path:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping")
+        file_data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
+    env_data = _env_values(env)
+
+    class _Sourced(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            # Explicit sources instead of pydantic-settings' own env reader, so tests can
+            # pass an environment and a secret *_file at a lower layer never shadows a
+            # secret given at a higher one.
+            return (
+                init_settings,
+                InitSettingsSource(settings_cls, env_data),
+                InitSettingsSource(settings_cls, file_data),
+            )
+
+    return _Sourced(**dict(overrides or {}))

@@ -1,0 +1,464 @@
+"""The HTTP surface: which path is ROUTED, BROADCAST, FAN-IN, FORWARDED or the gateway's own.
+
+=========================================  ==========  ==========================================
+path                                       kind        behaviour
+=========================================  ==========  ==========================================
+/v1/completions, /v1/chat/completions      ROUTED      one replica chosen by the router; body
+                                                       forwarded byte for byte; SSE relayed
+/v1/load_lora_adapter, /v1/unload_...      BROADCAST   every healthy replica, all or nothing
+/pause, /resume, /reset_prefix_cache       BROADCAST   every healthy replica
+/health                                    FAN-IN      200 only when every replica is up
+/server_info, /v1/models                   FAN-IN      merged: DP=1, weakest lora_config,
+                                                       adapters present everywhere
+anything else                              FORWARDED   one healthy replica (least loaded)
+/metrics, /gateway/status                  GATEWAY     the gateway's own
+=========================================  ==========  ==========================================
+
+Handlers parse a body at most once, ask the router for a decision, let ``upstream`` do the
+I/O and report back to the pool and metrics in ``finally``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import time
+import uuid
+from base64 import b64decode
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.errors import (
+    BadRequest,
+    BroadcastFailed,
+    GatewayError,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    Unauthorized,
+    UpstreamUnavailable,
+)
+from gateway.metrics import CONTENT_TYPE, RouteKind
+from gateway.relay import RelayResponse, cancel_on_disconnect
+from gateway.routing.policy import ReplicaView, RouteRequest
+from gateway.upstream import (
+    BufferedResponse,
+    ReplicaConnectError,
+    map_errors,
+    request_headers,
+    response_headers,
+)
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+__all__ = ["build_routes"]
+
+log = logging.getLogger("gateway.routes")
+
+_ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_JSON = "application/json"
+
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+BROADCAST_PATHS = (
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/pause",
+    "/resume",
+    "/reset_prefix_cache",
+)
+
+
+def _gateway(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+def json_response(
+    data: Any, status: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type=_JSON, headers=headers)
+
+
+def error_response(exc: GatewayError) -> Response:
+    return Response(exc.body(), status_code=exc.status, media_type=_JSON, headers=exc.headers)
+
+
+# --- auth ---------------------------------------------------------------------------------
+
+
+def _presented_key(request: Request) -> bytes | None:
+    """The key in ``Authorization``: ``Bearer KEY``, or the password of ``Basic`` auth,
+    which is all TRL can send (``http://user:KEY@gateway`` in its server URL)."""
+    header = request.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, value = header.partition(" ")
+    scheme = scheme.lower()
+    if scheme == "bearer":
+        return value.strip().encode()
+    if scheme == "basic":
+        try:
+            decoded = b64decode(value.strip(), validate=True)
+        except ValueError:
+            return None
+        return decoded.partition(b":")[2]
+    return None
+
+
+def _check_key(request: Request, keys: Sequence[bytes], what: str) -> None:
+    presented = _presented_key(request)
+    # Compare against every key, always: constant time in the key material.
+    ok = False
+    for key in keys:
+        ok |= presented is not None and hmac.compare_digest(presented, key)
+    if not ok:
+        raise Unauthorized(f"Invalid or missing {what}.", headers={"WWW-Authenticate": "Bearer"})
+
+
+def require_client(request: Request) -> None:
+    gw = _gateway(request)
+    if gw.client_keys:
+        _check_key(request, gw.client_keys, "API key")
+
+
+def require_admin(request: Request) -> None:
+    gw = _gateway(request)
+    if gw.admin_keys:
+        _check_key(request, gw.admin_keys, "admin key")
+    else:
+        require_client(request)
+
+
+# --- request parsing ----------------------------------------------------------------------
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise BadRequest("Invalid Content-Length header.")
+        if int(declared) > limit:
+            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"Invalid JSON body: {exc.msg}.") from None
+    if not isinstance(payload, dict):
+        raise BadRequest("Request body must be a JSON object.")
+    return payload
+
+
+def _check_generation(path: str, payload: Mapping[str, Any]) -> None:
+    """Reject, with the offending ``param``, what no replica could serve. The rest is
+    vLLM's to validate: the gateway forwards the body untouched."""
+    model = payload.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string.", param="model")
+    if not isinstance(payload.get("stream", False), bool | None):
+        raise BadRequest("'stream' must be a boolean.", param="stream")
+    for name in ("n", "max_tokens"):
+        value = payload.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise BadRequest(f"'{name}' must be a positive integer.", param=name)
+    if path.endswith("/chat/completions"):
+        if not isinstance(payload.get("messages"), list):
+            raise BadRequest("'messages' must be a list.", param="messages")
+    elif not isinstance(payload.get("prompt"), str | list):
+        raise BadRequest("'prompt' must be a string, token ids, or a list of them.", param="prompt")
+
+
+def request_id_for(request: Request) -> str:
+    given = request.headers.get("x-request-id")
+    if given and _REQUEST_ID.match(given):
+        return given
+    return uuid.uuid4().hex
+
+
+def _session_key(request: Request, payload: Mapping[str, Any]) -> str | None:
+    key = request.headers.get("x-session-id") or payload.get("user")
+    return key if isinstance(key, str) and key else None
+
+
+# --- dispatch to one replica --------------------------------------------------------------
+
+
+async def dispatch(
+    request: Request,
+    gw: Gateway,
+    kind: RouteKind,
+    body: bytes,
+    choose: Callable[[Sequence[int]], int],
+    candidates: Sequence[int],
+) -> Response:
+    """Send to one replica chosen among ``candidates``; if it fails before any response
+    byte, eject it and try another. Streams are relayed as they arrive."""
+    started = time.perf_counter()
+    request_id = request_id_for(request)
+    headers = request_headers(request.scope["headers"], request_id)
+    path = request.url.path
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    remaining = list(candidates)
+    while True:
+        if not remaining:
+            raise UpstreamUnavailable("No healthy replica could take the request.")
+        index = choose(remaining)
+        gw.pool.acquire(index)
+        gw.metrics.routed.labels(str(index)).inc()
+        try:
+            upstream = await cancel_on_disconnect(
+                request.receive,
+                gw.upstream.send(index, request.method, path, query=query, headers=headers,
+                                 body=body),
+            )  # fmt: skip
+        except ReplicaConnectError as exc:
+            gw.pool.release(index)
+            gw.on_connect_failure(index, exc.kind)
+            remaining.remove(index)
+            gw.metrics.retries.inc()
+            continue
+        except BaseException:
+            gw.pool.release(index)
+            raise
+        break
+
+    out_headers = response_headers(upstream.headers.multi_items(), index, request_id)
+    if _is_stream(upstream):
+
+        async def on_close(completed: bool) -> None:
+            gw.pool.release(index)
+            gw.metrics.record_request(kind, upstream.status_code, time.perf_counter() - started)
+
+        return RelayResponse(upstream, out_headers, on_close)
+    # A sized, non-SSE body: read it whole and answer with one write and a Content-Length.
+    try:
+        with map_errors(index, sending=False):
+            content = await cancel_on_disconnect(request.receive, upstream.aread())
+    finally:
+        await upstream.aclose()
+        gw.pool.release(index)
+    gw.metrics.record_request(kind, upstream.status_code, time.perf_counter() - started)
+    response = Response(content, status_code=upstream.status_code)
+    response.raw_headers = [*out_headers, (b"content-length", str(len(content)).encode())]
+    return response
+
+
+def _is_stream(upstream: httpx.Response) -> bool:
+    headers = upstream.headers
+    return "content-length" not in headers or headers.get("content-type", "").startswith(
+        "text/event-stream"
+    )
+
+
+async def routed(request: Request) -> Response:
+    """ROUTED: completions and chat completions."""
+    gw = _gateway(request)
+    require_client(request)
+    body = await read_body(request, gw.settings.max_body_bytes)
+    payload = parse_json_object(body)
+    path = request.url.path
+    _check_generation(path, payload)
+    model = payload.get("model")
+    candidates = gw.candidates_for(model)
+    route_request = RouteRequest(
+        path=path, model=model, payload=payload, session_key=_session_key(request, payload)
+    )
+
+    def choose(remaining: Sequence[int]) -> int:
+        views = [ReplicaView(i, gw.pool[i].in_flight) for i in remaining]
+        decision = gw.router.choose(route_request, views)
+        gw.metrics.routing_decisions.labels(decision.reason.value).inc()
+        return decision.replica
+
+    return await dispatch(request, gw, RouteKind.ROUTED, body, choose, candidates)
+
+
+async def forwarded(request: Request) -> Response:
+    """FORWARDED: any other path goes to the least-loaded healthy replica."""
+    gw = _gateway(request)
+    require_client(request)
+    body = await read_body(request, gw.settings.max_body_bytes)
+
+    def choose(remaining: Sequence[int]) -> int:
+        return min(remaining, key=lambda i: (gw.pool[i].in_flight, i))
+
+    return await dispatch(request, gw, RouteKind.FORWARDED, body, choose, gw.healthy_or_503())
+
+
+# --- broadcast ----------------------------------------------------------------------------
+
+
+def _relay_buffered(result: BufferedResponse, request_id: str) -> Response:
+    headers = response_headers(result.headers, result.replica, request_id)
+    response = Response(result.content, status_code=result.status)
+    response.raw_headers = [*headers, (b"content-length", str(len(result.content)).encode())]
+    return response
+
+
+async def broadcast(request: Request) -> Response:
+    """BROADCAST: pause/resume/reset (and, until the adapter manager owns them, LoRA
+    load/unload) on every healthy replica; success only if every replica succeeded."""
+    gw = _gateway(request)
+    require_admin(request)
+    body = await read_body(request, gw.settings.max_body_bytes)
+    path = request.url.path
+    request_id = request_id_for(request)
+    if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        return await gw.adapters.handle(path, parse_json_object(body), request_id)
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    headers = request_headers(request.scope["headers"], request_id)
+    results = await gw.fan_out(request.method, path, body=body or None, query=query,
+                               headers=headers)  # fmt: skip
+    failed = [r for r in results if not 200 <= r.status < 300]
+    endpoint = path.rsplit("/", 1)[-1]
+    gw.metrics.broadcasts.labels(endpoint, "failed" if failed else "ok").inc()
+    if failed:
+        raise BroadcastFailed(describe_failures(failed))
+    return _relay_buffered(results[0], request_id)
+
+
+def describe_failures(failed: Sequence[BufferedResponse]) -> str:
+    parts = []
+    for r in failed:
+        detail = r.content[:200].decode("utf-8", "replace").strip()
+        parts.append(f"replica {r.replica}: HTTP {r.status} {detail}" if r.status else
+                     f"replica {r.replica}: {detail}")  # fmt: skip
+    return "Not applied on every replica: " + "; ".join(parts)
+
+
+# --- fan-in -------------------------------------------------------------------------------
+
+
+async def health(request: Request) -> Response:
+    """FAN-IN: 200 (empty, like vLLM) only when enough replicas are up."""
+    gw = _gateway(request)
+    down = [r.index for r in gw.pool.replicas if not r.up]
+    up = len(gw.pool) - len(down)
+    if up >= gw.min_healthy and up > 0:
+        return Response(status_code=200)
+    raise UpstreamUnavailable(
+        f"{up}/{len(gw.pool)} replicas healthy; down: {down}", headers={"Retry-After": "2"}
+    )
+
+
+def _weakest_lora_config(configs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = dict(configs[0])
+    for key in ("max_lora_rank", "max_loras", "max_cpu_loras"):
+        values = [c[key] for c in configs if isinstance(c.get(key), int)]
+        if values:
+            merged[key] = min(values)
+    return merged
+
+
+async def server_info(request: Request) -> Response:
+    """``/server_info`` of one replica, made to describe the fleet as TRL must see it:
+    ``data_parallel_size == 1`` and the *weakest* replica's LoRA limits."""
+    gw = _gateway(request)
+    require_client(request)
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    results = [r for r in await gw.fan_out("GET", "/server_info", query=query) if r.status == 200]
+    if not results:
+        raise UpstreamUnavailable("No healthy replica answered /server_info.")
+    try:
+        infos = [orjson.loads(r.content) for r in results]
+    except orjson.JSONDecodeError:
+        return _relay_buffered(results[0], request_id_for(request))
+    info = infos[0]
+    vllm_config = info.get("vllm_config") if isinstance(info, dict) else None
+    if isinstance(vllm_config, dict):
+        loras = [
+            c
+            for i in infos
+            if isinstance(c := (i.get("vllm_config") or {}).get("lora_config"), dict)
+        ]
+        if loras:
+            weakest = _weakest_lora_config(loras)
+            if any(c != loras[0] for c in loras) or len(loras) != len(infos):
+                log.warning("replicas disagree on lora_config; reporting the weakest: %s", weakest)
+            vllm_config["lora_config"] = weakest
+        parallel = vllm_config.setdefault("parallel_config", {})
+        if isinstance(parallel, dict):
+            parallel["data_parallel_size"] = 1
+    return json_response(info)
+
+
+async def models(request: Request) -> Response:
+    """``/v1/models``: the base model(s), plus adapters that are live on every replica."""
+    gw = _gateway(request)
+    require_client(request)
+    results = [r for r in await gw.fan_out("GET", "/v1/models") if r.status == 200]
+    if not results:
+        raise UpstreamUnavailable("No healthy replica answered /v1/models.")
+    listings = [orjson.loads(r.content) for r in results]
+    first = listings[0]
+    live = gw.adapters.live_names(listings)
+    first["data"] = [m for m in first.get("data", []) if not m.get("parent") or m["id"] in live]
+    return json_response(first)
+
+
+# --- the gateway's own --------------------------------------------------------------------
+
+
+async def metrics(request: Request) -> Response:
+    gw = _gateway(request)
+    return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def status(request: Request) -> Response:
+    gw = _gateway(request)
+    require_client(request)
+    return json_response(gw.status())
+
+
+def _method_not_allowed(allowed: Sequence[str]) -> Callable[[Request], Awaitable[Response]]:
+    async def handler(request: Request) -> Response:
+        raise MethodNotAllowed(
+            f"Method {request.method} not allowed on {request.url.path}.",
+            headers={"Allow": ", ".join(allowed)},
+        )
+
+    return handler
+
+
+def _with_405(path: str, endpoint: Callable[[Request], Awaitable[Response]],
+              methods: Sequence[str]) -> list[BaseRoute]:  # fmt: skip
+    others = [m for m in _ALL_METHODS if m not in methods]
+    return [
+        Route(path, endpoint, methods=list(methods)),
+        Route(path, _method_not_allowed(methods), methods=others, include_in_schema=False),
+    ]
+
+
+def build_routes() -> list[BaseRoute]:
+    routes: list[BaseRoute] = []
+    for path in ROUTED_PATHS:
+        routes += _with_405(path, routed, ["POST"])
+    for path in BROADCAST_PATHS:
+        routes += _with_405(path, broadcast, ["POST"])
+    routes += _with_405("/health", health, ["GET"])
+    routes += _with_405("/server_info", server_info, ["GET"])
+    routes += _with_405("/v1/models", models, ["GET"])
+    routes += _with_405("/metrics", metrics, ["GET"])
+    routes += _with_405("/gateway/status", status, ["GET"])
+    routes.append(Route("/{path:path}", forwarded, methods=list(_ALL_METHODS)))
+    return routes

@@ -1,0 +1,272 @@
+"""Routing policies: pick one replica for a routed request, and say why.
+
+A policy's ``choose`` is a pure function of (request features, candidate snapshot, what the
+policy has learned so far): no I/O, no clock, no mutation. Learning is split off into
+``observe(decision)``, which the caller invokes right after acting on a decision (select,
+then observe; cf. h11). The caller (``routes.py``) filters candidates (healthy, holding the
+adapter), records the decision's reason in metrics and tells the pool about in-flight
+changes.
+
+Policies (``make_router(name, config)``; one name -> class map, ``ROUTERS``):
+
+* ``prefix`` (default, :class:`PrefixAffinityRouter`) -- see its docstring.
+* ``least_loaded`` -- fewest in flight, lowest index on ties.
+* ``round_robin`` -- ``candidates[counter % n]``; the counter advances in ``observe``, so
+  ``choose`` stays pure (the one policy whose *observe* state is a plain counter).
+* ``random`` -- uniform draw from a seeded RNG; the next draw is prepared in ``observe``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+from gateway.routing.config import RoutingConfig
+from gateway.routing.index import IndexStats, PrefixIndex
+from gateway.routing.prefix import PromptKey, prompt_key
+from gateway.routing.ring import HashRing
+
+__all__ = [
+    "ROUTERS",
+    "Decision",
+    "LeastLoadedRouter",
+    "PrefixAffinityRouter",
+    "RandomRouter",
+    "Reason",
+    "ReplicaView",
+    "RoundRobinRouter",
+    "RouteRequest",
+    "Router",
+    "RoutingConfig",
+    "make_router",
+]
+
+
+class Reason(StrEnum):
+    """Why a replica was chosen; the label set of ``gateway_routing_decisions_total``."""
+
+    AFFINITY = "affinity"
+    RING = "ring"
+    SPILL = "spill"
+    NO_KEY = "no_key"
+    ADAPTER_CONSTRAINT = "adapter_constraint"
+    FALLBACK = "fallback"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What a policy may know about one candidate replica."""
+
+    index: int
+    in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """Everything a policy may look at for one request (parsed once by the caller).
+
+    ``session_key`` is the ``X-Session-ID`` header if present (the OpenAI ``user`` field is
+    read from the payload). ``lacking_adapter`` names healthy replicas that were filtered out
+    only because they do not hold the adapter; it lets the decision say
+    ``adapter_constraint`` when the key's home is one of them.
+    """
+
+    path: str
+    model: str | None = None
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    session_key: str | None = None
+    lacking_adapter: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The chosen replica, why, and the features ``observe`` needs (no re-hashing)."""
+
+    replica: int
+    reason: Reason
+    key: PromptKey | None = field(default=None, compare=False, repr=False)
+
+
+class Router(Protocol):
+    """One small interface for every policy (the SGLang gateway's ``LoadBalancingPolicy``)."""
+
+    name: str
+
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaView]) -> Decision:
+        """Pick one of ``candidates`` (never empty). Pure."""
+        ...
+
+    def observe(self, decision: Decision) -> None:
+        """Learn from a decision the caller acted on (call once per routed request)."""
+        ...
+
+
+class LeastLoadedRouter:
+    """Fewest in-flight requests wins; ties go to the lowest index (deterministic)."""
+
+    name = "least_loaded"
+
+    def __init__(self, config: RoutingConfig | None = None) -> None:
+        pass
+
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaView]) -> Decision:
+        best = min(candidates, key=lambda c: (c.in_flight, c.index))
+        return Decision(best.index, Reason.FALLBACK)
+
+    def observe(self, decision: Decision) -> None:
+        pass
+
+
+class RoundRobinRouter:
+    """``candidates[counter % n]``; ``observe`` advances the counter."""
+
+    name = "round_robin"
+
+    def __init__(self, config: RoutingConfig | None = None) -> None:
+        self._counter = 0
+
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaView]) -> Decision:
+        return Decision(candidates[self._counter % len(candidates)].index, Reason.FALLBACK)
+
+    def observe(self, decision: Decision) -> None:
+        self._counter += 1
+
+
+class RandomRouter:
+    """Uniform choice from a seeded RNG; ``observe`` draws the next number."""
+
+    name = "random"
+
+    def __init__(self, config: RoutingConfig | None = None) -> None:
+        self._rng = random.Random((config or RoutingConfig()).seed)
+        self._u = self._rng.random()
+
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaView]) -> Decision:
+        return Decision(candidates[int(self._u * len(candidates))].index, Reason.FALLBACK)
+
+    def observe(self, decision: Decision) -> None:
+        self._u = self._rng.random()
+
+
+class PrefixAffinityRouter:
+    """Deterministic prefix key on a bounded-load ring, refined by a learned leaf index.
+
+    ``choose`` steps (K = ``max_blocks``, m = ``key_blocks``, n = candidates, L = their
+    total in flight; ``bound = max(ceil((1 + eps)(L + 1) / n), min_load_bound)``):
+
+    1. No key (malformed or empty prompt) -> least loaded, ``no_key``.
+    2. ``t`` = template depth of the chain (``index.PrefixIndex``).
+    3. Affinity: the deepest previously served leaf at depth >= t (a GRPO sibling or an
+       earlier turn of this conversation). If its replica is a candidate and its load + 1 <=
+       bound + ``affinity_slack`` -> ``affinity``; otherwise fall through with ``spill``.
+    4. Ring: key = chain hash at depth ``min(len, t + m)`` -- a deterministic hash of the
+       first m blocks after the template, so the *first* sample of a group lands where its
+       siblings will, every gateway agrees, and a conversation keeps its home once it is m
+       blocks past the template. Bounded-load lookup: home -> ``ring``; moved by load ->
+       ``spill``; home lacks the adapter -> ``adapter_constraint``.
+    5. No candidate is on the ring (``set_members`` not called for it) -> least loaded,
+       ``fallback``.
+
+    The ring covers the whole pool and is rebuilt only by ``set_members`` (pool membership,
+    off the hot path); health and adapter filtering just skip members clockwise.
+    Complexity: O(K) hashing + O(K) dict probes + O(n) to read the candidate loads +
+    O(log(N V)) ring search.
+    """
+
+    name = "prefix"
+
+    def __init__(self, config: RoutingConfig | None = None) -> None:
+        self.config = config or RoutingConfig()
+        cfg = self.config
+        self.index = PrefixIndex(
+            cfg.index_capacity, cfg.node_capacity, cfg.template_min_successors,
+            cfg.template_capacity,
+        )
+        self._ring = HashRing((), cfg.virtual_nodes, cfg.ring_seed)
+
+    @property
+    def ring(self) -> HashRing:
+        return self._ring
+
+    def set_members(self, members: Iterable[int]) -> None:
+        """Rebuild the ring for the pool's replica indices (call on pool changes only)."""
+        members = frozenset(members)
+        if members != self._ring.members:
+            self._ring = HashRing(members, self.config.virtual_nodes, self.config.ring_seed)
+
+    def features(self, request: RouteRequest) -> PromptKey | None:
+        return prompt_key(
+            request.path, request.model, request.payload, request.session_key, self.config
+        )
+
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaView]) -> Decision:
+        key = self.features(request)
+        loads = {c.index: c.in_flight for c in candidates}
+        if key is None:
+            return Decision(_least_loaded(loads), Reason.NO_KEY)
+        cfg = self.config
+        bound = max(
+            math.ceil((1.0 + cfg.load_epsilon) * (sum(loads.values()) + 1) / len(loads)),
+            cfg.min_load_bound,
+        )
+        hashes = key.hashes
+        t = self.index.template_depth(hashes)
+        spilled = False
+        home = self.index.lookup(hashes, t)
+        if home is not None and home in loads:
+            if loads[home] + 1 <= bound + cfg.affinity_slack:
+                return Decision(home, Reason.AFFINITY, key)
+            spilled = True
+        ring_key = hashes[min(len(hashes), t + cfg.key_blocks) - 1]
+        choice = self._ring.lookup(ring_key, loads, bound, cfg.max_probes)
+        if choice is None:
+            return Decision(_least_loaded(loads), Reason.FALLBACK, key)
+        if spilled or choice.moved:
+            return Decision(choice.member, Reason.SPILL, key)
+        if request.lacking_adapter:
+            natural = self._ring.preferred(ring_key)
+            if natural is not None and natural in request.lacking_adapter:
+                return Decision(choice.member, Reason.ADAPTER_CONSTRAINT, key)
+        return Decision(choice.member, Reason.RING, key)
+
+    def observe(self, decision: Decision) -> None:
+        """Record where the request went; call after ``choose``, before the next ``choose``.
+
+        If a retry sends the request elsewhere, call again with the replica that served it.
+        """
+        if decision.key is not None:
+            self.index.observe(decision.key.hashes, decision.replica)
+
+    def forget_replica(self, replica: int) -> int:
+        """The replica lost its KV cache (restart / reset): drop what it served."""
+        return self.index.forget_replica(replica)
+
+    def stats(self) -> IndexStats:
+        return self.index.stats()
+
+
+def _least_loaded(loads: Mapping[int, int]) -> int:
+    return min(loads, key=lambda i: (loads[i], i))
+
+
+ROUTERS: dict[str, type[PrefixAffinityRouter | LeastLoadedRouter | RoundRobinRouter
+                         | RandomRouter]] = {
+    "prefix": PrefixAffinityRouter,
+    "least_loaded": LeastLoadedRouter,
+    "round_robin": RoundRobinRouter,
+    "random": RandomRouter,
+}
+
+
+def make_router(name: str, config: RoutingConfig | None = None) -> Router:
+    """Build the policy called ``name`` (one construction path for every caller)."""
+    try:
+        cls = ROUTERS[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose from {sorted(ROUTERS)}")\
+            from None
+    return cls(config or RoutingConfig())
