@@ -1,0 +1,45 @@
+# rollout-gateway: every target does its own setup.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: help venv vllm lint test test-fast demo bench clean
+
+help:
+	@echo "make test   - install everything (gateway venv + vLLM venv) and run lint + all tests"
+	@echo "make demo   - run the end-to-end demo"
+	@echo "make test-fast - unit + integration tests only (no real vLLM)"
+	@echo "make bench  - run the benchmarks in bench/ and refresh bench/results/"
+
+$(STAMP): pyproject.toml
+	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
+	uv venv -q --allow-existing --python $(PY) $(VENV)
+	uv pip install -q --python $(BIN)/python -e ".[dev,bench]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+vllm: venv
+	bash scripts/install-vllm.sh
+
+lint: venv
+	$(BIN)/ruff check gateway tests bench
+	$(BIN)/ruff format --check gateway tests bench
+	$(BIN)/mypy
+
+test-fast: venv
+	$(BIN)/python -m pytest -m "not e2e" -q
+
+test: venv vllm lint
+	$(BIN)/python -m pytest -q
+
+demo: venv
+	$(BIN)/python -m gateway.demo
+
+bench: venv
+	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/routing.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

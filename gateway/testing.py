@@ -1,0 +1,57 @@
+"""Run any ASGI app (the gateway, a sim replica) on a real 127.0.0.1 socket, in-process.
+
+Used by the test suite and the benchmarks: a real uvicorn server with a real TCP socket,
+so tests exercise the same HTTP stack users get, without subprocess start-up costs.
+
+    async with serve_asgi(app) as url:
+        ...  # url == "http://127.0.0.1:<ephemeral port>"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+__all__ = ["serve_asgi"]
+
+
+class _Server(uvicorn.Server):
+    """No signal capture: several servers share one test process and its handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def serve_asgi(
+    app: ASGIApp, *, port: int = 0, startup_timeout: float = 10.0
+) -> AsyncIterator[str]:
+    """Serve ``app`` until the block exits; yields its base URL. Lifespan runs as usual."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, http="httptools", log_config=None, access_log=False, lifespan="on", ws="none"
+    )
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(startup_timeout):
+            while not server.started:
+                if task.done():
+                    task.result()
+                    raise RuntimeError("server exited during start-up")
+                await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{bound}"
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=10)
+        sock.close()

@@ -1,0 +1,46 @@
+"""Suite-wide fixtures. Secrets used by tests are constants here, and every log record the
+suite produces is checked for them at the end of the session (a leak fails the run)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+UPSTREAM_TOKEN = "hf_TESTSECRET_upstream_7Qx9"
+CLIENT_KEY = "sk-TESTSECRET-client-4Fz2"
+ADMIN_KEY = "sk-TESTSECRET-admin-8Lm3"
+SECRETS = (UPSTREAM_TOKEN, CLIENT_KEY, ADMIN_KEY)
+
+
+class _Recorder(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:  # a broken record must not hide others
+            text = str(record.msg)
+        if record.exc_info and record.exc_info[1] is not None:
+            text += " " + repr(record.exc_info[1])
+        self.lines.append(f"{record.name}: {text}")
+
+
+RECORDER = _Recorder()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_secret_in_logs() -> Iterator[None]:
+    root = logging.getLogger()
+    previous = root.level
+    root.addHandler(RECORDER)
+    root.setLevel(logging.DEBUG)
+    yield
+    root.removeHandler(RECORDER)
+    root.setLevel(previous)
+    leaks = [line for line in RECORDER.lines if any(s in line for s in SECRETS)]
+    assert not leaks, f"secrets leaked into {len(leaks)} log lines, e.g. {leaks[0][:200]}"
+    assert RECORDER.lines, "the log recorder saw nothing: the leak check would be vacuous"
