@@ -1,0 +1,123 @@
+"""The CLI contract, run as a user would: real processes, real ports, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import CLIENT_KEY, UPSTREAM_TOKEN
+
+PY = sys.executable
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _wait_health(url: str, timeout: float = 20.0, status: int = 200) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == status:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy in {timeout}s")
+
+
+def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return out, err
+
+
+@pytest.fixture
+def sim_replica() -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [PY, "-m", "gateway", "sim-replica", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_health(url)
+        yield url
+    finally:
+        _stop(proc)
+
+
+def test_help_documents_every_flag() -> None:
+    out = subprocess.run(
+        [PY, "-m", "gateway", "serve", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for flag in (
+        "--replica", "--host", "--port", "--upstream-token", "--upstream-token-file",
+        "--api-key", "--admin-key", "--max-staleness", "--adapter-root", "--config",
+        "--log-format", "GATEWAY_",
+    ):  # fmt: skip
+        assert flag in out, flag
+    script = str(Path(PY).parent / "rollout-gateway")
+    top = subprocess.run([script, "--help"], capture_output=True, text=True, check=True)
+    for command in ("serve", "sim-replica", "make-tiny-model", "replicas"):
+        assert command in top.stdout
+
+
+def test_serve_without_replicas_fails_clearly() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    r = subprocess.run([PY, "-m", "gateway", "serve"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2
+    assert "--replica" in r.stderr
+
+
+def test_serve_with_env_and_secret_files(sim_replica: str, tmp_path: Path) -> None:
+    token_file = tmp_path / "hf_token"
+    token_file.write_text(UPSTREAM_TOKEN + "\n")
+    port = _free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")},
+        "GATEWAY_REPLICAS": sim_replica,
+        "GATEWAY_PORT": str(port),
+        "GATEWAY_API_KEY": CLIENT_KEY,
+        "GATEWAY_UPSTREAM_TOKEN_FILE": str(token_file),
+        "GATEWAY_LOG_FORMAT": "json",
+        "GATEWAY_LOG_LEVEL": "DEBUG",
+    }
+    proc = subprocess.Popen(
+        [PY, "-m", "gateway", "serve"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_health(url)
+        auth = {"Authorization": f"Bearer {CLIENT_KEY}"}
+        body = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=auth).status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        assert httpx.post(f"{url}/v1/completions", content=b"{", headers=auth).status_code == 400
+    finally:
+        _, err = _stop(proc)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines, "the gateway logged nothing"
+    records = [json.loads(line) for line in lines]  # every line is one JSON object
+    assert any("gateway up" in r["message"] for r in records)
+    assert UPSTREAM_TOKEN not in err and CLIENT_KEY not in err
