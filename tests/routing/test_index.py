@@ -1,0 +1,72 @@
+"""index.py: exact leaves, verified continuation anchors, template detection, bounded memory."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.routing.config import RoutingConfig
+from gateway.routing.index import PrefixIndex
+from gateway.routing.prefix import PromptKey, PromptKind, prompt_key
+
+CFG = RoutingConfig(block_size=4, max_blocks=16)
+
+
+def k(ids: list[int]) -> PromptKey:
+    key = prompt_key("/v1/completions", "m-v1", {"prompt": ids}, None, CFG)
+    assert key is not None
+    return key
+
+
+def make(cap: int = 100, nodes: int = 1000, succ: int = 4, tmpl: int = 10) -> PrefixIndex:
+    return PrefixIndex(cap, nodes, succ, tmpl)
+
+
+def test_exact_and_verified_continuation() -> None:
+    idx = make()
+    turn1 = list(range(10))  # 2 whole blocks + a 2-token tail
+    idx.observe(k(turn1), replica=4)
+    assert idx.lookup(k(turn1), 0) == 4
+    assert idx.lookup(k([*turn1, 77, 78, 79, 80, 81]), 0) == 4  # extends turn 1
+    # shares turn 1's whole blocks but not its tail: not a continuation
+    assert idx.lookup(k([*turn1[:8], 55, 56, 57]), 0) is None
+    assert idx.lookup(k(turn1[:8]), 0) is None  # interior nodes never attract
+    assert idx.lookup(k([*turn1, 1, 2, 3]), 3) is None  # only depths >= start count
+
+
+def test_template_detected_after_enough_successors() -> None:
+    idx = make(succ=4)
+    prefix = list(range(8))
+    for q in range(3):
+        idx.observe(k([*prefix, 100 + q, 1, 2, 3]), replica=q)
+    probe = k([*prefix, 555, 1, 2, 3])
+    assert idx.template_depth(probe.hashes) == 0
+    idx.observe(k([*prefix, 200, 1, 2, 3]), replica=0)
+    assert idx.is_template(probe.hashes[1])
+    assert idx.template_depth(probe.hashes) == 2
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=30),
+                          st.integers(0, 7)), max_size=100))
+def test_memory_bounded(ops: list[tuple[list[int], int]]) -> None:
+    idx = make(cap=10, nodes=20, succ=3, tmpl=5)
+    for ids, replica in ops:
+        idx.observe(k(ids), replica)
+        s = idx.stats()
+        assert s.served <= 10 and s.nodes <= 20 and s.templates <= 5
+        assert s.approx_bytes >= 0
+
+
+def test_forget_replica() -> None:
+    idx = make()
+    idx.observe(k([1, 2, 3, 4, 5]), 0)
+    idx.observe(k([6, 7, 8, 9]), 1)
+    assert idx.forget_replica(0) == 2  # exact leaf + anchor
+    assert idx.lookup(k([1, 2, 3, 4, 5]), 0) is None and idx.lookup(k([6, 7, 8, 9]), 0) == 1
+
+
+def test_session_key_has_no_tail() -> None:
+    idx = make()
+    key = PromptKey(PromptKind.SESSION, (42,))
+    idx.observe(key, 3)
+    assert idx.lookup(key, 0) == 3
