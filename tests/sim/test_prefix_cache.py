@@ -123,7 +123,7 @@ _queries = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     block_size=st.integers(1, 4),
     capacity=st.integers(0, 8),

@@ -1,0 +1,95 @@
+"""``rollout-gateway sim-replica``: serve one simulated vLLM replica with uvicorn.
+
+``gateway.cli`` dispatches the ``sim-replica`` subcommand to ``main(argv)``; flags mirror the
+``vllm serve`` ones they stand in for. Example::
+
+    rollout-gateway sim-replica --port 8101 --max-loras 4 --latency-model \\
+        prefill=2e-5,decode=1e-3,concurrency=1e-4
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+
+from gateway.sim.app import create_sim_app
+from gateway.sim.config import SimConfig
+from gateway.sim.latency import LatencyModel
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+
+def _latency(spec: str) -> LatencyModel:
+    try:
+        return LatencyModel.parse(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = SimConfig()
+    p = argparse.ArgumentParser(
+        prog="rollout-gateway sim-replica",
+        description="A simulated vLLM replica (OpenAI server, runtime LoRA, dev-mode endpoints).",
+    )
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--model", default=d.model, help="served model name (default %(default)s)")
+    p.add_argument("--max-loras", type=int, default=d.max_loras)
+    p.add_argument("--max-cpu-loras", type=int, default=None)
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--cache-blocks", type=int, default=d.cache_blocks)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument(
+        "--latency-model",
+        type=_latency,
+        default=LatencyModel(),
+        metavar="SPEC",
+        help="'instant' or 'prefill=S,decode=S,concurrency=S' in seconds per token",
+    )
+    p.add_argument(
+        "--check-lora-paths",
+        action="store_true",
+        help="answer 404 'No adapter found' for a lora_path that is not a directory",
+    )
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        model=args.model,
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
+        block_size=args.block_size,
+        cache_blocks=args.cache_blocks,
+        max_model_len=args.max_model_len,
+        latency=args.latency_model,
+        check_lora_paths=args.check_lora_paths,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (without the subcommand name), then serve until interrupted."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    uvicorn.run(
+        create_sim_app(config),
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        ws="none",
+        lifespan="off",
+        access_log=False,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,  # do not wait forever on requests hung by a fault
+    )
+    return 0
