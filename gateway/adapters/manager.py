@@ -1,0 +1,407 @@
+"""The facade ``routes.py`` and ``app.py`` call: parse, check, decide (core), execute (fanout).
+
+Call sites (see docs/adapters.md, "Wiring"):
+
+* ``POST /v1/load_lora_adapter``    -> ``await manager.load(body)``   (raises GatewayError)
+* ``POST /v1/unload_lora_adapter``  -> ``await manager.unload(body)`` (200 at once)
+* routed requests                   -> ``manager.candidates(model)``, then
+  ``manager.request_started(model, i)`` right after choosing ``i`` (no ``await`` in
+  between) and ``manager.request_finished(model, i)`` in ``finally``
+* ``/v1/models``                    -> ``manager.live_adapters()``
+* ``/gateway/status``, metrics      -> ``manager.status()`` / ``manager.snapshot()``
+* lifespan startup                  -> ``await manager.rebuild()``
+* every health round                -> ``await manager.sync_replicas(pool.healthy_indices())``
+  (or ``replica_down(i)`` / ``await reconcile(i)`` on transitions)
+* background                        -> ``await manager.run_ticks()`` as a task
+* shutdown                          -> ``await manager.aclose()``
+
+Loads are serialized per adapter name (a second load of the same name waits for the first
+to settle, and for a retiring copy of it to be gone); different names run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import orjson
+
+from gateway.adapters import fanout
+from gateway.adapters.state import (
+    Action,
+    AdapterPolicy,
+    AdapterRegistry,
+    AdapterState,
+    Failure,
+    ListedAdapter,
+    ReplicaState,
+    Result,
+    Settlement,
+    Snapshot,
+)
+from gateway.errors import (
+    BadRequest,
+    BroadcastFailed,
+    GatewayError,
+    NotFound,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+__all__ = ["AdapterManager", "AdapterReply", "check_capacity", "check_path", "parse_models"]
+
+log = logging.getLogger("gateway.adapters")
+
+TEXT = "text/plain; charset=utf-8"
+_SETTLED = frozenset({AdapterState.GONE, AdapterState.LIVE})
+
+
+class AdapterReply(NamedTuple):
+    """A successful answer, byte-compatible with vLLM's (errors are raised instead)."""
+
+    status: int
+    media_type: str
+    content: bytes
+
+
+# ------------------------------------------------------------------ pure helpers
+
+
+def _require_str(body: Mapping[str, Any], key: str) -> str:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"'{key}' must be a string.", param=key)
+    return value or ""
+
+
+def parse_models(content: bytes) -> tuple[list[ListedAdapter], list[str]]:
+    """A replica's ``/v1/models``: (adapters, base model ids). Adapters have a parent."""
+    data = orjson.loads(content)
+    adapters, bases = [], []
+    for entry in data.get("data", []) if isinstance(data, dict) else []:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            continue
+        if entry.get("parent"):
+            adapters.append(ListedAdapter(entry["id"], str(entry.get("root") or "")))
+        else:
+            bases.append(entry["id"])
+    return adapters, bases
+
+
+def check_path(path: str, roots: Sequence[Path]) -> None:
+    """Raise BadRequest unless ``path`` resolves (symlinks included) inside a root.
+
+    Blocking filesystem I/O: call it in a thread. Relative paths are refused, since the
+    replica would resolve them against its own working directory, not ours.
+    """
+    if not roots:
+        return
+    candidate = Path(path)
+    if not candidate.is_absolute():
+        raise BadRequest("'lora_path' must be an absolute path.", param="lora_path")
+    resolved = candidate.resolve(strict=False)
+    if not any(resolved.is_relative_to(root.resolve(strict=False)) for root in roots):
+        raise BadRequest(
+            f"'lora_path' {path!r} is outside the allowed adapter roots.", param="lora_path"
+        )
+
+
+def check_capacity(infos: Mapping[int, Mapping[str, Any]], max_staleness: int | None) -> list[str]:
+    """Warnings for replicas whose LoRA slots cannot hold the staleness window.
+
+    TRL itself needs ``max_loras >= max_staleness + 2`` (the window plus the version
+    being loaded); vLLM's host cache (``max_cpu_loras``, default ``max_loras``) must hold
+    as many, or registered adapters are evicted and re-read from disk on every use.
+    """
+    if max_staleness is None:
+        return []
+    need = max_staleness + 2
+    warnings = []
+    for r, info in sorted(infos.items()):
+        lora = (info.get("vllm_config") or {}).get("lora_config")
+        if not isinstance(lora, Mapping):
+            warnings.append(f"replica {r} reports no lora_config: runtime LoRA is disabled")
+            continue
+        max_loras = lora.get("max_loras")
+        cpu = lora.get("max_cpu_loras") or max_loras
+        if isinstance(max_loras, int) and max_loras < need:
+            warnings.append(f"replica {r}: max_loras={max_loras} < max_staleness+2={need}")
+        if isinstance(cpu, int) and cpu < need:
+            warnings.append(f"replica {r}: max_cpu_loras={cpu} < max_staleness+2={need}")
+    return warnings
+
+
+def _replicas(indices: Iterable[int]) -> str:
+    items = sorted(indices)
+    return ("replica " if len(items) == 1 else "replicas ") + ", ".join(map(str, items))
+
+
+def _error(settled: Settlement, path: str, deadline: float, replaced: bool) -> GatewayError:
+    name = settled.name
+    undo = ""
+    if replaced:
+        undo = " The previous weights of this name keep serving."
+    elif settled.rolled_back:
+        undo = f" Rolled back on {_replicas(settled.rolled_back)}."
+    failed = [r for r, _ in settled.failures]
+    if settled.failure is Failure.NO_REPLICAS:
+        return UpstreamUnavailable(
+            f"No healthy replica to load LoRA adapter '{name}' onto.",
+            headers={"Retry-After": "2"},
+        )
+    if settled.failure is Failure.NOT_FOUND_TIMEOUT:
+        # Never 404: TRL reads a 404 here as "runtime LoRA updating is disabled".
+        return UpstreamTimeout(
+            f"Loading LoRA adapter '{name}' timed out: {_replicas(failed)} still found no "
+            f"adapter at {path!r} after {deadline:g}s (shared filesystem not caught up?)." + undo
+        )
+    reasons = "; ".join(
+        f"replica {r}: " + (f"HTTP {res.status}: " if res.status else "") + res.detail
+        for r, res in settled.failures
+    )
+    return BroadcastFailed(
+        f"Loading LoRA adapter '{name}' failed on {_replicas(failed)} ({reasons})." + undo
+    )
+
+
+# ------------------------------------------------------------------------ facade
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        upstream: fanout.ReplicaCaller,
+        replicas: Iterable[int],
+        *,
+        policy: AdapterPolicy,
+        call_timeout_s: float = 120.0,
+        adapter_roots: Sequence[Path] = (),
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        on_settled: Callable[[Settlement], None] | None = None,
+        on_action: Callable[[Action, Result], None] | None = None,
+    ) -> None:
+        self.policy = policy
+        self._indices = sorted(set(replicas))
+        self.core = AdapterRegistry(policy, self._indices)
+        self._upstream = upstream
+        self._timeout = call_timeout_s
+        self._roots = tuple(adapter_roots)
+        self._clock = clock
+        self._on_settled = on_settled
+        self.executor = fanout.Executor(
+            self.core,
+            lambda action: fanout.perform(upstream, action, call_timeout_s),
+            clock=clock,
+            sleep=sleep,
+            on_result=on_action,
+        )
+        self._loading: set[str] = set()
+        self._reconciling: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---------------------------------------------------------------- routes
+
+    async def load(self, body: Mapping[str, Any]) -> AdapterReply:
+        name = _require_str(body, "lora_name")
+        path = _require_str(body, "lora_path")
+        if not name or not path:
+            raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.")
+        inplace = body.get("load_inplace", False)
+        if not isinstance(inplace, bool):
+            raise BadRequest("'load_inplace' must be a boolean.", param="load_inplace")
+        if self._roots:
+            await asyncio.to_thread(check_path, path, self._roots)
+
+        core = self.core
+        await self.executor.wait_until(
+            lambda: name not in self._loading and core.adapter_state(name) in _SETTLED
+        )
+        self._loading.add(name)
+        try:
+            replaced = core.adapter_state(name) is AdapterState.LIVE
+            self.executor.submit(core.request_load(name, path, inplace=inplace, now=self._clock()))
+            await self.executor.wait_until(lambda: core.peek_settlement(name) is not None)
+            settled = core.take_settlement(name)
+            assert settled is not None
+        finally:
+            self._loading.discard(name)
+            self.executor.notify()
+        if self._on_settled is not None:
+            self._on_settled(settled)
+        if settled.ok:
+            log.info(
+                "adapter %s live on %s in %.3fs", name, _replicas(settled.replicas), settled.seconds
+            )
+            message = f"Success: LoRA adapter '{name}' added successfully."
+            return AdapterReply(200, TEXT, message.encode())
+        error = _error(settled, path, self.policy.load_deadline_s, replaced)
+        log.warning("adapter %s not loaded: %s", name, error.message)
+        raise error
+
+    async def unload(self, body: Mapping[str, Any]) -> AdapterReply:
+        name = _require_str(body, "lora_name")
+        if not name:
+            raise BadRequest("'lora_name' needs to be provided to unload a LoRA adapter.")
+        state = self.core.adapter_state(name)
+        if state is AdapterState.LIVE and name not in self._loading:
+            self.executor.submit(self.core.request_unload(name, self._clock()))
+        elif state is AdapterState.GONE and name not in self._loading:
+            if not self.core.known_name(name):
+                raise NotFound(f"The lora adapter '{name}' cannot be found.")
+        elif state is not AdapterState.RETIRING:  # mid-load: unload once it settles
+            self._spawn(self._deferred_unload(name))
+        message = f"Success: LoRA adapter '{name}' removed successfully."
+        return AdapterReply(200, TEXT, message.encode())
+
+    async def _deferred_unload(self, name: str) -> None:
+        await self.executor.wait_until(
+            lambda: name not in self._loading and self.core.adapter_state(name) in _SETTLED
+        )
+        if self.core.adapter_state(name) is AdapterState.LIVE:
+            self.executor.submit(self.core.request_unload(name, self._clock()))
+
+    def candidates(self, model: str | None) -> frozenset[int] | None:
+        return self.core.candidates(model)
+
+    def is_live(self, name: str) -> bool:
+        return self.core.is_live(name)
+
+    def request_started(self, name: str, replica: int) -> bool:
+        return self.core.request_started(name, replica)
+
+    def request_finished(self, name: str, replica: int) -> None:
+        self.core.request_finished(name, replica)
+
+    def live_adapters(self) -> list[ListedAdapter]:
+        return self.core.live_adapters()
+
+    def snapshot(self) -> Snapshot:
+        return self.core.snapshot()
+
+    def status(self) -> dict[str, Any]:
+        """JSON-ready snapshot for ``/gateway/status``."""
+        return dataclasses.asdict(self.core.snapshot())
+
+    # ------------------------------------------------------------- lifecycle
+
+    async def _models(self, replica: int) -> tuple[list[ListedAdapter], list[str]] | None:
+        try:
+            response = await self._upstream.call(
+                replica, "GET", "/v1/models", timeout=self._timeout
+            )
+            if response.status != 200:
+                return None
+            return parse_models(response.content)
+        except (GatewayError, orjson.JSONDecodeError, TypeError, AttributeError) as exc:
+            log.info("replica %d: cannot read /v1/models (%s)", replica, exc)
+            return None
+
+    def _synced(self, replica: int) -> bool:
+        state = self.core.replica_state(replica)
+        return state is not ReplicaState.SYNCING or self.core.replica_settled(replica)
+
+    async def rebuild(self) -> None:
+        """Startup: adopt what the replicas hold, reconcile them, warn about capacity."""
+        found = await asyncio.gather(*(self._models(r) for r in self._indices))
+        listings: dict[int, list[ListedAdapter]] = {}
+        for r, models in zip(self._indices, found, strict=True):
+            if models is not None:
+                listings[r] = models[0]
+                self.core.set_base_models(models[1])
+        self.executor.submit(self.core.rebuild(listings, self._clock()))
+        await self.executor.wait_until(lambda: all(self._synced(r) for r in listings))
+        live = self.core.live_adapters()
+        log.info(
+            "adapter registry rebuilt from %d/%d replicas: %d live adapters",
+            len(listings), len(self._indices), len(live),
+        )  # fmt: skip
+        await self._warn_capacity(list(listings))
+
+    async def _warn_capacity(self, replicas: Sequence[int]) -> None:
+        async def info(r: int) -> tuple[int, Any]:
+            try:
+                resp = await self._upstream.call(
+                    r, "GET", "/server_info", query="config_format=json", timeout=self._timeout
+                )
+                return r, orjson.loads(resp.content) if resp.status == 200 else None
+            except (GatewayError, orjson.JSONDecodeError):
+                return r, None
+
+        infos = dict(await asyncio.gather(*(info(r) for r in replicas)))
+        usable = {r: i for r, i in infos.items() if isinstance(i, Mapping)}
+        for warning in check_capacity(usable, self.policy.max_staleness):
+            log.warning("adapter capacity: %s", warning)
+
+    async def reconcile(self, replica: int) -> bool:
+        """Bring a (re)joining replica in line before it gets adapter traffic.
+
+        Reads its ``/v1/models``, replays the live adapters it lacks, unloads the ones it
+        should not hold; True once it is admitted. False: try again next health round.
+        """
+        core = self.core
+        if core.replica_state(replica) is ReplicaState.UP:
+            return True
+        if replica in self._reconciling:
+            await self.executor.wait_until(lambda: replica not in self._reconciling)
+            return core.replica_state(replica) is ReplicaState.UP
+        self._reconciling.add(replica)
+        try:
+            # Sends from before it was lost may still land: the listing must come after.
+            await self.executor.wait_until(
+                lambda: not self.executor.sending_to(replica) and core.replica_settled(replica)
+            )
+            models = await self._models(replica)
+            if models is None or core.replica_state(replica) is ReplicaState.UP:
+                return core.replica_state(replica) is ReplicaState.UP
+            core.set_base_models(models[1])
+            self.executor.submit(core.observe(replica, models[0], self._clock()))
+            await self.executor.wait_until(lambda: self._synced(replica))
+        finally:
+            self._reconciling.discard(replica)
+            self.executor.notify()
+        admitted = core.replica_state(replica) is ReplicaState.UP
+        if admitted:
+            log.info("replica %d reconciled: holds every live adapter", replica)
+        else:
+            log.warning("replica %d not reconciled yet; keeping it out of adapter traffic", replica)
+        return admitted
+
+    def replica_down(self, replica: int) -> None:
+        if self.core.replica_state(replica) is not ReplicaState.DOWN:
+            self.executor.submit(self.core.replica_lost(replica, self._clock()))
+
+    async def sync_replicas(self, healthy: Collection[int]) -> None:
+        """One call per health round: forget unhealthy replicas, reconcile the others."""
+        for r in self._indices:
+            if r not in healthy:
+                self.replica_down(r)
+        pending = [r for r in healthy if self.core.replica_state(r) is not ReplicaState.UP]
+        await asyncio.gather(*(self.reconcile(r) for r in pending))
+
+    def tick(self) -> None:
+        self.executor.submit(self.core.tick(self._clock()))
+
+    async def run_ticks(self, interval_s: float = 0.5) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.tick()
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def run() -> None:
+            await coro
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.executor.aclose()
