@@ -49,6 +49,10 @@ _SET_ENTRY_BYTES = 60
 # A served entry is (replica, tail hash, tail length); tail hash _EXACT means a prompt ends
 # exactly here, so anything passing through extends it.
 _EXACT = 0
+_ANCHOR = 1  # marks a node that some earlier prompt ends just after (with a tail)
+# An anchored tail is filed under the hash of its first bytes (4 token ids); a tail shorter
+# than that is not anchored (its prompt is then found only by exact match).
+_PROBE_BYTES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +107,9 @@ class PrefixIndex:
         return 0
 
     def lookup(self, key: PromptKey, start: int) -> int | None:
-        """Replica of the exact prompt, else of the deepest anchor at >= ``start`` that
-        ``key`` verifiably extends (its bytes continue with the anchored prompt's tail)."""
+        """Replica of the exact prompt, else of the deepest earlier prompt that ``key``
+        verifiably extends, anchored at depth >= ``start - 1`` (an anchor may be the last
+        template block: the tail after it is what identifies the earlier prompt)."""
         served = self._served
         hashes = key.hashes
         last = len(hashes) - 1
@@ -113,13 +118,18 @@ class PrefixIndex:
         hit = served.get(hashes[last])
         if hit is not None and hit[1] == _EXACT:
             return hit[0]
-        for i in range(last - 1 if key.has_tail else last, start - 1, -1):
+        for i in range(last - 1 if key.has_tail else last, max(start - 1, 0) - 1, -1):
             hit = served.get(hashes[i])
             if hit is None:
                 continue
-            replica, tail, length = hit
-            if tail == _EXACT or key.tail_at(i, length) == tail:
-                return replica
+            if hit[1] == _EXACT:
+                if i >= start:
+                    return hit[0]
+                continue
+            probe = key.tail_at(i, _PROBE_BYTES)
+            entry = served.get(probe) if probe is not None else None
+            if entry is not None and entry[1] != _EXACT and key.tail_at(i, entry[2]) == entry[1]:
+                return entry[0]
         return None
 
     def is_template(self, block_hash: int) -> bool:
@@ -150,10 +160,17 @@ class PrefixIndex:
         served[leaf] = (replica, _EXACT, 0)
         served.move_to_end(leaf)
         if key.has_tail and len(hashes) > 1:
-            # Anchor: the deepest whole block, with the tail that a continuation must repeat.
-            tail_len = len(key.data) - (len(hashes) - 1) * key.block
-            served[hashes[-2]] = (replica, leaf, min(tail_len, key.block))
-            served.move_to_end(hashes[-2])
+            # Anchor: mark the deepest whole block, and file (replica, tail hash, tail length)
+            # under the hash of the tail's first bytes, so several prompts can share a node.
+            node = hashes[-2]
+            tail_len = min(len(key.data) - (len(hashes) - 1) * key.block, key.block)
+            probe = key.tail_at(len(hashes) - 2, min(tail_len, _PROBE_BYTES))
+            if tail_len >= _PROBE_BYTES and probe is not None:
+                if node not in served or served[node][1] != _EXACT:
+                    served[node] = (replica, _ANCHOR, 0)
+                    served.move_to_end(node)
+                served[probe] = (replica, leaf, tail_len)
+                served.move_to_end(probe)
         while len(served) > self.index_capacity:
             served.popitem(last=False)
         if known is not None and known[1] == _EXACT:

@@ -9,7 +9,7 @@ from gateway.routing.config import RoutingConfig
 from gateway.routing.index import PrefixIndex
 from gateway.routing.prefix import PromptKey, PromptKind, prompt_key
 
-CFG = RoutingConfig(block_size=4, max_blocks=16)
+CFG = RoutingConfig(block_size=8, max_blocks=16)
 
 
 def k(ids: list[int]) -> PromptKey:
@@ -24,19 +24,22 @@ def make(cap: int = 100, nodes: int = 1000, succ: int = 4, tmpl: int = 10) -> Pr
 
 def test_exact_and_verified_continuation() -> None:
     idx = make()
-    turn1 = list(range(10))  # 2 whole blocks + a 2-token tail
+    turn1 = list(range(22))  # 2 whole blocks + a 6-token tail
     idx.observe(k(turn1), replica=4)
     assert idx.lookup(k(turn1), 0) == 4
     assert idx.lookup(k([*turn1, 77, 78, 79, 80, 81]), 0) == 4  # extends turn 1
+    # another prompt anchored on the same node does not hide turn 1
+    idx.observe(k([*turn1[:16], 90, 91, 92, 93, 94]), replica=2)
+    assert idx.lookup(k([*turn1, 1, 2, 3, 4, 5, 6, 7, 8, 9]), 0) == 4
     # shares turn 1's whole blocks but not its tail: not a continuation
-    assert idx.lookup(k([*turn1[:8], 55, 56, 57]), 0) is None
-    assert idx.lookup(k(turn1[:8]), 0) is None  # interior nodes never attract
-    assert idx.lookup(k([*turn1, 1, 2, 3]), 3) is None  # only depths >= start count
+    assert idx.lookup(k([*turn1[:16], 55, 56, 57, 58, 59]), 0) is None
+    assert idx.lookup(k(turn1[:16]), 0) is None  # interior nodes never attract
+    assert idx.lookup(k([*turn1, 1, 2, 3, 4, 5, 6, 7, 8]), 4) is None  # depths < start - 1
 
 
 def test_template_detected_after_enough_successors() -> None:
     idx = make(succ=4)
-    prefix = list(range(8))
+    prefix = list(range(16))
     for q in range(3):
         idx.observe(k([*prefix, 100 + q, 1, 2, 3]), replica=q)
     probe = k([*prefix, 555, 1, 2, 3])
@@ -59,10 +62,10 @@ def test_memory_bounded(ops: list[tuple[list[int], int]]) -> None:
 
 def test_forget_replica() -> None:
     idx = make()
-    idx.observe(k([1, 2, 3, 4, 5]), 0)
+    idx.observe(k(list(range(13))), 0)  # one block + a 5-token tail
     idx.observe(k([6, 7, 8, 9]), 1)
-    assert idx.forget_replica(0) == 2  # exact leaf + anchor
-    assert idx.lookup(k([1, 2, 3, 4, 5]), 0) is None and idx.lookup(k([6, 7, 8, 9]), 0) == 1
+    assert idx.forget_replica(0) == 3  # exact leaf, anchor mark, anchored tail
+    assert idx.lookup(k(list(range(13))), 0) is None and idx.lookup(k([6, 7, 8, 9]), 0) == 1
 
 
 def test_session_key_has_no_tail() -> None:

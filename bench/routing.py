@@ -1,0 +1,496 @@
+"""Routing benchmark: in-process event simulation of N replicas with vLLM-like prefix caches.
+
+Usage: ``python bench/routing.py [--quick] [--out bench/results]``
+
+Each replica is a ``gateway.sim.prefix_cache.BlockPrefixCache`` (block 32, 4096 blocks) with
+an in-flight count; service time grows with uncached prompt tokens, generated tokens and the
+replica's own in-flight load, so bounded load matters. A TRL-like client keeps ``slots``
+groups in flight; a group is G=8 trajectories sent back to back (single-turn: one request
+each); turn k+1 of a trajectory is sent when turn k finishes.
+
+Workloads: (a) GRPO groups sharing a 100-500 token system prefix; (b) multi-turn, 3-6 turns;
+(c) hot prefix: half the groups share one 640-token few-shot preamble; (d) churn: (a) with
+replica N//2 leaving at 1/3 of the run and rejoining (cache lost) at 2/3.
+
+Policies: ``prefix`` (ours), ``least_loaded``, ``round_robin`` and ``blog``: a from-scratch
+re-implementation of the HF blog proxy's learned index (16-token chained blake2b blocks seeded
+by the adapter name; learn block -> replica; ignore template blocks with >= 2 successors or
+seen on every replica; best match unless > 8 in flight ahead of the least loaded, else least
+loaded with round robin on ties). The oracle is one replica with N times the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import json
+import random
+import statistics
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gateway.routing.policy import (
+    CandidateLoads,
+    Decision,
+    PrefixAffinityRouter,
+    Reason,
+    Router,
+    RouteRequest,
+    make_router,
+)
+from gateway.sim.prefix_cache import BlockPrefixCache
+
+G = 8
+MODEL = "trl-policy-v3"
+VOCAB = 50_000
+
+
+# -- workloads ---------------------------------------------------------------------------
+
+
+@dataclass
+class Trajectory:
+    group: int
+    turns: list[list[int]]  # full prompt token ids per turn
+    gen: list[int]  # generated tokens per turn
+
+
+def _toks(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def _question_len(rng: random.Random) -> int:
+    return max(24, min(1200, int(rng.lognormvariate(5.0, 0.6))))  # median ~150 tokens
+
+
+def workload(kind: str, groups: int, seed: int) -> list[list[Trajectory]]:
+    rng = random.Random(seed)
+    system = _toks(rng, rng.randrange(100, 501))
+    hot = _toks(rng, 640)
+    out: list[list[Trajectory]] = []
+    for g in range(groups):
+        prefix = hot if kind == "c" and g % 2 == 0 else system
+        prompt = prefix + _toks(rng, _question_len(rng))
+        trajs = []
+        for _ in range(G):
+            n_turns = rng.randrange(3, 7) if kind == "b" else 1
+            turns, gens, conv = [], [], list(prompt)
+            for t in range(n_turns):
+                gen = rng.randrange(64, 513)
+                turns.append(list(conv))
+                gens.append(gen)
+                if t + 1 < n_turns:  # response + tool result extend the conversation
+                    conv += _toks(rng, gen) + _toks(rng, rng.randrange(20, 121))
+            trajs.append(Trajectory(g, turns, gens))
+        out.append(trajs)
+    return out
+
+
+# -- the blog's learned-index policy (re-implemented for comparison) ---------------------
+
+
+class BlogLearnedIndexRouter:
+    """Re-implementation of the HF blog proxy's policy (not ours; see module docstring)."""
+
+    name = "blog"
+
+    def __init__(self, n_replicas: int) -> None:
+        self.owner: dict[bytes, int] = {}
+        self.succ: dict[bytes, set[bytes]] = defaultdict(set)
+        self.seen_on: dict[bytes, set[int]] = defaultdict(set)
+        self.n = n_replicas
+        self.rr = 0
+
+    def _blocks(self, req: RouteRequest) -> list[bytes]:
+        ids = req.payload["prompt"]
+        h = hashlib.blake2b(str(req.model).encode(), digest_size=8).digest()
+        out = []
+        for i in range(0, len(ids) - 15, 16):
+            h = hashlib.blake2b(h + repr(ids[i : i + 16]).encode(), digest_size=8).digest()
+            out.append(h)
+        return out
+
+    def _template(self, b: bytes) -> bool:
+        return len(self.succ.get(b, ())) >= 2 or len(self.seen_on.get(b, ())) >= self.n
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Any]) -> Decision:
+        loads = candidates.loads if isinstance(candidates, CandidateLoads) else {
+            c.index: c.in_flight for c in candidates}
+        best = None
+        for b in self._blocks(request):
+            r = self.owner.get(b)
+            if r is None:
+                break
+            if not self._template(b) and r in loads:
+                best = r
+        low = min(loads.values())
+        ties = sorted(i for i, v in loads.items() if v == low)
+        least = ties[self.rr % len(ties)]
+        if best is None:
+            return Decision(least, Reason.FALLBACK, None)
+        if loads[best] > low + 8:
+            return Decision(least, Reason.SPILL, None)
+        return Decision(best, Reason.AFFINITY, None)
+
+    def learn(self, request: RouteRequest, replica: int) -> None:
+        blocks = self._blocks(request)
+        for i, b in enumerate(blocks):
+            self.owner[b] = replica
+            self.seen_on[b].add(replica)
+            if i + 1 < len(blocks):
+                self.succ[b].add(blocks[i + 1])
+
+    def observe(self, decision: Decision) -> None:
+        self.rr += 1
+
+
+class _Single:
+    name = "oracle"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Any]) -> Decision:
+        return Decision(0, Reason.FALLBACK)
+
+    def observe(self, decision: Decision) -> None:
+        pass
+
+
+# -- simulation --------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    hits: int = 0
+    queries: int = 0
+    served: list[int] = field(default_factory=list)
+    inflight_area: list[float] = field(default_factory=list)
+    peak: list[int] = field(default_factory=list)
+    reasons: Counter[str] = field(default_factory=Counter)
+    route_ns: list[int] = field(default_factory=list)
+    group_replicas: dict[int, Counter[int]] = field(default_factory=dict)
+    ring_moved: int = 0
+    cont_same: int = 0
+    cont_total: int = 0
+
+
+def simulate(
+    router: Router, groups: list[list[Trajectory]], n: int, slots: int,
+    churn: bool = False, cache_blocks: int = 4096,
+) -> RunResult:
+    caches = [BlockPrefixCache(32, cache_blocks) for _ in range(n)]
+    loads: dict[int, int] = dict.fromkeys(range(n), 0)
+    view = MappingProxyType(loads)
+    total = 0
+    res = RunResult(served=[0] * n, inflight_area=[0.0] * n, peak=[0] * n)
+    last_t = [0.0] * n
+    heap: list[tuple[float, int, int, Trajectory, int, int]] = []
+    seq = 0
+    now = 0.0
+    next_group = 0
+    open_groups: dict[int, int] = {}
+    leave_at, join_at = len(groups) // 3, 2 * len(groups) // 3
+    gone = n // 2 if churn and n > 1 else -1
+    left = False
+    last_replica: dict[int, int] = {}
+    blog = router if isinstance(router, BlogLearnedIndexRouter) else None
+
+    def account(r: int) -> None:
+        res.inflight_area[r] += loads[r] * (now - last_t[r])
+        last_t[r] = now
+
+    def send(traj: Trajectory, turn: int, tid: int) -> None:
+        nonlocal seq, total
+        req = RouteRequest("/v1/completions", MODEL, {"prompt": traj.turns[turn]})
+        cands = CandidateLoads(view, total)
+        t0 = time.perf_counter_ns()
+        d = router.choose(req, cands)
+        res.route_ns.append(time.perf_counter_ns() - t0)
+        router.observe(d)
+        if blog is not None:
+            blog.learn(req, d.replica)
+        r = d.replica
+        res.reasons[d.reason.value] += 1
+        res.ring_moved += d.moved_by_load
+        res.group_replicas.setdefault(traj.group, Counter())[r] += 1
+        if turn > 0:
+            res.cont_total += 1
+            res.cont_same += last_replica.get(tid) == r
+        last_replica[tid] = r
+        prompt = traj.turns[turn]
+        hit = caches[r].query(MODEL, prompt)
+        account(r)
+        loads[r] += 1
+        total += 1
+        res.peak[r] = max(res.peak[r], loads[r])
+        res.served[r] += 1
+        service = (0.02 + 2e-5 * (len(prompt) - hit) + 2e-4 * traj.gen[turn]) * (
+            1 + loads[r] / 64)
+        seq += 1
+        heapq.heappush(heap, (now + service, seq, r, traj, turn, tid))
+
+    def start_group() -> None:
+        nonlocal next_group, left
+        if churn and gone >= 0:
+            if next_group == leave_at and not left:
+                left = True
+                del loads[gone]
+            elif next_group == join_at and left:
+                left = False
+                loads[gone] = 0
+                caches[gone].reset()
+                if isinstance(router, PrefixAffinityRouter):
+                    router.forget_replica(gone)
+        trajs = groups[next_group]
+        open_groups[next_group] = len(trajs)
+        for k, tr in enumerate(trajs):
+            send(tr, 0, next_group * G + k)
+        next_group += 1
+
+    while next_group < min(slots, len(groups)):
+        start_group()
+    while heap:
+        now, _, r, traj, turn, tid = heapq.heappop(heap)
+        if r in loads:
+            account(r)
+            loads[r] -= 1
+        total -= 1
+        if turn + 1 < len(traj.turns):
+            send(traj, turn + 1, tid)
+            continue
+        open_groups[traj.group] -= 1
+        if open_groups[traj.group] == 0 and next_group < len(groups):
+            start_group()
+    for r in range(n):
+        res.hits += caches[r].hits_tokens
+        res.queries += caches[r].queries_tokens
+    return res
+
+
+# -- reporting ---------------------------------------------------------------------------
+
+
+def _pct(xs: list[int], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] / 1000.0
+
+
+def summarize(res: RunResult, oracle_hit: float) -> dict[str, Any]:
+    n_req = sum(res.reasons.values())
+    coloc = sum(c.most_common(1)[0][1] for c in res.group_replicas.values()) / max(1, sum(
+        sum(c.values()) for c in res.group_replicas.values()))
+    active = [a for a in res.inflight_area if a > 0] or [1.0]
+    hit = res.hits / max(1, res.queries)
+    return {
+        "requests": n_req,
+        "hit_rate": round(hit, 4),
+        "hit_vs_oracle": round(hit / oracle_hit, 4) if oracle_hit else None,
+        "colocation": round(coloc, 4),
+        "continuation_same_replica": round(res.cont_same / res.cont_total, 4)
+        if res.cont_total else None,
+        "spill": round(res.reasons.get("spill", 0) / max(1, n_req), 4),
+        "new_key_moved_by_load": round(res.ring_moved / max(1, n_req), 4),
+        "reasons": dict(res.reasons),
+        "inflight_max_over_mean": round(max(active) / statistics.mean(active), 3),
+        "served_max_over_mean": round(max(res.served) / statistics.mean(res.served), 3),
+        "peak_inflight_max": max(res.peak),
+        "route_us_p50": round(_pct(res.route_ns, 0.5), 2),
+        "route_us_p99": round(_pct(res.route_ns, 0.99), 2),
+    }
+
+
+def keys_moved(n: int, samples: int = 20_000) -> dict[str, Any]:
+    """Keys moved when replica N//2 leaves: sampled, and exact (the leaver's arc share)."""
+    r = PrefixAffinityRouter()
+    r.set_members(range(n))
+    rng = random.Random(7)
+    gone = n // 2
+    all_m = dict.fromkeys(range(n), 0)
+    less = {i: 0 for i in range(n) if i != gone}
+    moved = 0
+    for _ in range(samples):
+        k = rng.getrandbits(64)
+        moved += r.ring.preferred(k, all_m) != r.ring.preferred(k, less)
+    points, owners = r.ring._points, r.ring._owners  # exact: arc lengths owned
+    share: Counter[int] = Counter()
+    for i, p in enumerate(points):
+        prev = points[i - 1] if i else points[-1] - 2**64
+        share[owners[i]] += p - prev
+    exact = share[gone] / 2**64
+    worst = max(share.values()) / 2**64
+    return {"moved_fraction_sampled": round(moved / samples, 4),
+            "moved_fraction": round(exact, 4), "ideal_1_over_n": round(1 / n, 4),
+            "moved_times_n": round(exact * n, 3), "worst_replica_times_n": round(worst * n, 3)}
+
+
+def route_timing(n: int, groups: list[list[Trajectory]], rounds: int = 3) -> dict[str, float]:
+    """Isolated decision cost at N replicas, median over rounds of p50/p99 (µs): wall clock,
+    and thread CPU time (excludes preemption by other processes on a shared machine)."""
+    p50s, p99s, c50s, c99s = [], [], [], []
+    reqs = [RouteRequest("/v1/completions", MODEL, {"prompt": tr.turns[0]})
+            for trs in groups for tr in trs]
+    rng = random.Random(3)
+    loads = {i: rng.randrange(40) for i in range(n)}
+    cands = CandidateLoads(MappingProxyType(loads))
+    for _ in range(rounds):
+        r = make_router("prefix")  # fresh index each round
+        assert isinstance(r, PrefixAffinityRouter)
+        r.set_members(range(n))
+        ns, cpu = [], []
+        for q in reqs:
+            c0 = time.thread_time_ns()
+            t0 = time.perf_counter_ns()
+            d = r.choose(q, cands)
+            ns.append(time.perf_counter_ns() - t0)
+            cpu.append(time.thread_time_ns() - c0)
+            r.observe(d)
+        p50s.append(_pct(ns, 0.5))
+        p99s.append(_pct(ns, 0.99))
+        c50s.append(_pct(cpu, 0.5))
+        c99s.append(_pct(cpu, 0.99))
+    return {"p50_us": round(statistics.median(p50s), 2),
+            "p99_us": round(statistics.median(p99s), 2),
+            "cpu_p50_us": round(statistics.median(c50s), 2),
+            "cpu_p99_us": round(statistics.median(c99s), 2)}
+
+
+def make_policy(name: str, n: int) -> Router:
+    if name == "blog":
+        return BlogLearnedIndexRouter(n)
+    if name == "oracle":
+        return _Single()
+    r = make_router(name)
+    if isinstance(r, PrefixAffinityRouter):
+        r.set_members(range(n))
+    return r
+
+
+POLICIES = ("prefix", "least_loaded", "round_robin", "blog")
+
+
+T0 = time.perf_counter()
+
+
+def run(quick: bool) -> dict[str, Any]:
+    ns = (2, 4) if quick else (2, 4, 8, 32, 256)
+    out: dict[str, Any] = {"quick": quick, "G": G, "runs": {}, "keys_moved": {},
+                           "route_timing": {}}
+    for n in ns:
+        per_replica = 16 if quick else {2: 48, 4: 32, 8: 24, 32: 12}.get(n, 4)
+        for wl in ("a", "b", "c", "d"):
+            if quick and wl in ("b", "c", "d") and n > 2:
+                continue
+            groups_n = max(48, per_replica * n) // (3 if wl == "b" else 1)
+            groups = workload("a" if wl == "d" else wl, groups_n, seed=n * 31 + ord(wl))
+            slots = 4 * n if wl != "b" else max(2, n)
+            oracle = simulate(make_policy("oracle", 1), groups, 1, slots,
+                              cache_blocks=4096 * n)
+            o_hit = oracle.hits / max(1, oracle.queries)
+            row: dict[str, Any] = {"oracle_hit_rate": round(o_hit, 4), "groups": groups_n}
+            for pol in POLICIES:
+                if pol == "blog" and n == 256 and wl != "a":
+                    continue  # O(blocks x N) per request: too slow for the 5-minute budget
+                t0 = time.perf_counter()
+                res = simulate(make_policy(pol, n), groups, n, slots, churn=wl == "d")
+                row[pol] = summarize(res, o_hit) | {"sim_s": round(time.perf_counter() - t0, 1)}
+            out["runs"][f"{wl}/N={n}"] = row
+            print(f"{wl} N={n} ({time.perf_counter() - T0:.0f}s): " + "  ".join(
+                f"{p}: hit {row[p]['hit_vs_oracle']} coloc {row[p]['colocation']} "
+                f"spill {row[p]['spill']} served {row[p]['served_max_over_mean']}"
+                for p in POLICIES if p in row), flush=True)
+        out["keys_moved"][str(n)] = keys_moved(n)
+        out["route_timing"][str(n)] = route_timing(
+            n, workload("a", 64 if quick else 256, seed=99))
+    return out
+
+
+def write_markdown(data: dict[str, Any], path: Path) -> None:
+    lines = ["# Routing benchmark (in-process simulation)", "",
+             "Generated by `bench/routing.py`; see `docs/routing.md`. `blog` is our "
+             "re-implementation of the HF blog proxy's learned-index policy.", "",
+             "| workload | N | policy | hit rate | vs oracle | co-location | continuation "
+             "| spill | in-flight max/mean | served max/mean | route µs p50/p99 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, row in data["runs"].items():
+        wl, n = key.split("/N=")
+        for pol in POLICIES:
+            if pol not in row:
+                continue
+            s = row[pol]
+            lines.append(
+                f"| {wl} | {n} | {pol} | {s['hit_rate']} | {s['hit_vs_oracle']} | "
+                f"{s['colocation']:.2%} | "
+                f"{'' if s['continuation_same_replica'] is None else format(s['continuation_same_replica'], '.2%')} | "  # noqa: E501
+                f"{s['spill']:.2%} | {s['inflight_max_over_mean']} | "
+                f"{s['served_max_over_mean']} | {s['route_us_p50']}/{s['route_us_p99']} |")
+    lines += ["", "## Keys moved when replica N//2 leaves (exact arc share; 20k sampled keys)", "",
+              "| N | moved (exact) | sampled | 1/N | moved x N | worst leaver x N |",
+              "|---|---|---|---|---|---|"]
+    for n, k in data["keys_moved"].items():
+        lines.append(f"| {n} | {k['moved_fraction']} | {k['moved_fraction_sampled']} | "
+                     f"{k['ideal_1_over_n']} | {k['moved_times_n']} | "
+                     f"{k['worst_replica_times_n']} |")
+    lines += ["", "## Isolated decision cost, prefix policy, GRPO requests "
+              "(µs, median of 3 rounds)", "",
+              "| N | wall p50 | wall p99 | CPU p50 | CPU p99 |", "|---|---|---|---|---|"]
+    for n, t in data["route_timing"].items():
+        lines.append(f"| {n} | {t['p50_us']} | {t['p99_us']} | {t['cpu_p50_us']} | "
+                     f"{t['cpu_p99_us']} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, metric, title in zip(
+        axes, ("hit_vs_oracle", "colocation", "served_max_over_mean"),
+        ("(a) hit rate / oracle", "(a) group co-location", "(a) served max/mean"),
+        strict=True,
+    ):
+        for pol in POLICIES:
+            xs, ys = [], []
+            for key, row in data["runs"].items():
+                if key.startswith("a/") and pol in row:
+                    xs.append(int(key.split("=")[1]))
+                    ys.append(row[pol][metric])
+            ax.plot(xs, ys, marker="o", label=pol)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("replicas N")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI smoke: N=2,4, small workloads")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    data = run(args.quick)
+    data["wall_s"] = round(time.perf_counter() - t0, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "routing-quick" if args.quick else "routing"
+    (args.out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_markdown(data, args.out / f"{stem}.md")
+    write_plot(data, args.out / f"{stem}.png")
+    print(f"wrote {args.out}/{stem}.{{json,md,png}} in {data['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
