@@ -123,8 +123,11 @@ class BlogLearnedIndexRouter:
         return len(self.succ.get(b, ())) >= 2 or len(self.seen_on.get(b, ())) >= self.n
 
     def choose(self, request: RouteRequest, candidates: Sequence[Any]) -> Decision:
-        loads = candidates.loads if isinstance(candidates, CandidateLoads) else {
-            c.index: c.in_flight for c in candidates}
+        loads = (
+            candidates.loads
+            if isinstance(candidates, CandidateLoads)
+            else {c.index: c.in_flight for c in candidates}
+        )
         best = None
         for b in self._blocks(request):
             r = self.owner.get(b)
@@ -182,8 +185,12 @@ class RunResult:
 
 
 def simulate(
-    router: Router, groups: list[list[Trajectory]], n: int, slots: int,
-    churn: bool = False, cache_blocks: int = 4096,
+    router: Router,
+    groups: list[list[Trajectory]],
+    n: int,
+    slots: int,
+    churn: bool = False,
+    cache_blocks: int = 4096,
 ) -> RunResult:
     caches = [BlockPrefixCache(32, cache_blocks) for _ in range(n)]
     loads: dict[int, int] = dict.fromkeys(range(n), 0)
@@ -231,8 +238,7 @@ def simulate(
         total += 1
         res.peak[r] = max(res.peak[r], loads[r])
         res.served[r] += 1
-        service = (0.02 + 2e-5 * (len(prompt) - hit) + 2e-4 * traj.gen[turn]) * (
-            1 + loads[r] / 64)
+        service = (0.02 + 2e-5 * (len(prompt) - hit) + 2e-4 * traj.gen[turn]) * (1 + loads[r] / 64)
         seq += 1
         heapq.heappush(heap, (now + service, seq, r, traj, turn, tid))
 
@@ -284,8 +290,9 @@ def _pct(xs: list[int], q: float) -> float:
 
 def summarize(res: RunResult, oracle_hit: float) -> dict[str, Any]:
     n_req = sum(res.reasons.values())
-    coloc = sum(c.most_common(1)[0][1] for c in res.group_replicas.values()) / max(1, sum(
-        sum(c.values()) for c in res.group_replicas.values()))
+    coloc = sum(c.most_common(1)[0][1] for c in res.group_replicas.values()) / max(
+        1, sum(sum(c.values()) for c in res.group_replicas.values())
+    )
     active = [a for a in res.inflight_area if a > 0] or [1.0]
     hit = res.hits / max(1, res.queries)
     return {
@@ -294,7 +301,8 @@ def summarize(res: RunResult, oracle_hit: float) -> dict[str, Any]:
         "hit_vs_oracle": round(hit / oracle_hit, 4) if oracle_hit else None,
         "colocation": round(coloc, 4),
         "continuation_same_replica": round(res.cont_same / res.cont_total, 4)
-        if res.cont_total else None,
+        if res.cont_total
+        else None,
         "spill": round(res.reasons.get("spill", 0) / max(1, n_req), 4),
         "new_key_moved_by_load": round(res.ring_moved / max(1, n_req), 4),
         "reasons": dict(res.reasons),
@@ -325,17 +333,24 @@ def keys_moved(n: int, samples: int = 20_000) -> dict[str, Any]:
         share[owners[i]] += p - prev
     exact = share[gone] / 2**64
     worst = max(share.values()) / 2**64
-    return {"moved_fraction_sampled": round(moved / samples, 4),
-            "moved_fraction": round(exact, 4), "ideal_1_over_n": round(1 / n, 4),
-            "moved_times_n": round(exact * n, 3), "worst_replica_times_n": round(worst * n, 3)}
+    return {
+        "moved_fraction_sampled": round(moved / samples, 4),
+        "moved_fraction": round(exact, 4),
+        "ideal_1_over_n": round(1 / n, 4),
+        "moved_times_n": round(exact * n, 3),
+        "worst_replica_times_n": round(worst * n, 3),
+    }
 
 
 def route_timing(n: int, groups: list[list[Trajectory]], rounds: int = 3) -> dict[str, float]:
     """Isolated decision cost at N replicas, median over rounds of p50/p99 (µs): wall clock,
     and thread CPU time (excludes preemption by other processes on a shared machine)."""
     p50s, p99s, c50s, c99s = [], [], [], []
-    reqs = [RouteRequest("/v1/completions", MODEL, {"prompt": tr.turns[0]})
-            for trs in groups for tr in trs]
+    reqs = [
+        RouteRequest("/v1/completions", MODEL, {"prompt": tr.turns[0]})
+        for trs in groups
+        for tr in trs
+    ]
     rng = random.Random(3)
     loads = {i: rng.randrange(40) for i in range(n)}
     cands = CandidateLoads(MappingProxyType(loads))
@@ -355,10 +370,12 @@ def route_timing(n: int, groups: list[list[Trajectory]], rounds: int = 3) -> dic
         p99s.append(_pct(ns, 0.99))
         c50s.append(_pct(cpu, 0.5))
         c99s.append(_pct(cpu, 0.99))
-    return {"p50_us": round(statistics.median(p50s), 2),
-            "p99_us": round(statistics.median(p99s), 2),
-            "cpu_p50_us": round(statistics.median(c50s), 2),
-            "cpu_p99_us": round(statistics.median(c99s), 2)}
+    return {
+        "p50_us": round(statistics.median(p50s), 2),
+        "p99_us": round(statistics.median(p99s), 2),
+        "cpu_p50_us": round(statistics.median(c50s), 2),
+        "cpu_p99_us": round(statistics.median(c99s), 2),
+    }
 
 
 def make_policy(name: str, n: int) -> Router:
@@ -380,8 +397,7 @@ T0 = time.perf_counter()
 
 def run(quick: bool) -> dict[str, Any]:
     ns = (2, 4) if quick else (2, 4, 8, 32, 256)
-    out: dict[str, Any] = {"quick": quick, "G": G, "runs": {}, "keys_moved": {},
-                           "route_timing": {}}
+    out: dict[str, Any] = {"quick": quick, "G": G, "runs": {}, "keys_moved": {}, "route_timing": {}}
     for n in ns:
         per_replica = 16 if quick else {2: 48, 4: 32, 8: 24, 32: 12}.get(n, 4)
         for wl in ("a", "b", "c", "d"):
@@ -390,8 +406,7 @@ def run(quick: bool) -> dict[str, Any]:
             groups_n = max(48, per_replica * n) // (3 if wl == "b" else 1)
             groups = workload("a" if wl == "d" else wl, groups_n, seed=n * 31 + ord(wl))
             slots = 4 * n if wl != "b" else max(2, n)
-            oracle = simulate(make_policy("oracle", 1), groups, 1, slots,
-                              cache_blocks=4096 * n)
+            oracle = simulate(make_policy("oracle", 1), groups, 1, slots, cache_blocks=4096 * n)
             o_hit = oracle.hits / max(1, oracle.queries)
             row: dict[str, Any] = {"oracle_hit_rate": round(o_hit, 4), "groups": groups_n}
             for pol in POLICIES:
@@ -401,23 +416,32 @@ def run(quick: bool) -> dict[str, Any]:
                 res = simulate(make_policy(pol, n), groups, n, slots, churn=wl == "d")
                 row[pol] = summarize(res, o_hit) | {"sim_s": round(time.perf_counter() - t0, 1)}
             out["runs"][f"{wl}/N={n}"] = row
-            print(f"{wl} N={n} ({time.perf_counter() - T0:.0f}s): " + "  ".join(
-                f"{p}: hit {row[p]['hit_vs_oracle']} coloc {row[p]['colocation']} "
-                f"spill {row[p]['spill']} served {row[p]['served_max_over_mean']}"
-                for p in POLICIES if p in row), flush=True)
+            print(
+                f"{wl} N={n} ({time.perf_counter() - T0:.0f}s): "
+                + "  ".join(
+                    f"{p}: hit {row[p]['hit_vs_oracle']} coloc {row[p]['colocation']} "
+                    f"spill {row[p]['spill']} served {row[p]['served_max_over_mean']}"
+                    for p in POLICIES
+                    if p in row
+                ),
+                flush=True,
+            )
         out["keys_moved"][str(n)] = keys_moved(n)
-        out["route_timing"][str(n)] = route_timing(
-            n, workload("a", 64 if quick else 256, seed=99))
+        out["route_timing"][str(n)] = route_timing(n, workload("a", 64 if quick else 256, seed=99))
     return out
 
 
 def write_markdown(data: dict[str, Any], path: Path) -> None:
-    lines = ["# Routing benchmark (in-process simulation)", "",
-             "Generated by `bench/routing.py`; see `docs/routing.md`. `blog` is our "
-             "re-implementation of the HF blog proxy's learned-index policy.", "",
-             "| workload | N | policy | hit rate | vs oracle | co-location | continuation "
-             "| spill | in-flight max/mean | served max/mean | route µs p50/p99 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Routing benchmark (in-process simulation)",
+        "",
+        "Generated by `bench/routing.py`; see `docs/routing.md`. `blog` is our "
+        "re-implementation of the HF blog proxy's learned-index policy.",
+        "",
+        "| workload | N | policy | hit rate | vs oracle | co-location | continuation "
+        "| spill | in-flight max/mean | served max/mean | route µs p50/p99 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, row in data["runs"].items():
         wl, n = key.split("/N=")
         for pol in POLICIES:
@@ -429,20 +453,32 @@ def write_markdown(data: dict[str, Any], path: Path) -> None:
                 f"{s['colocation']:.2%} | "
                 f"{'' if s['continuation_same_replica'] is None else format(s['continuation_same_replica'], '.2%')} | "  # noqa: E501
                 f"{s['spill']:.2%} | {s['inflight_max_over_mean']} | "
-                f"{s['served_max_over_mean']} | {s['route_us_p50']}/{s['route_us_p99']} |")
-    lines += ["", "## Keys moved when replica N//2 leaves (exact arc share; 20k sampled keys)", "",
-              "| N | moved (exact) | sampled | 1/N | moved x N | worst leaver x N |",
-              "|---|---|---|---|---|---|"]
+                f"{s['served_max_over_mean']} | {s['route_us_p50']}/{s['route_us_p99']} |"
+            )
+    lines += [
+        "",
+        "## Keys moved when replica N//2 leaves (exact arc share; 20k sampled keys)",
+        "",
+        "| N | moved (exact) | sampled | 1/N | moved x N | worst leaver x N |",
+        "|---|---|---|---|---|---|",
+    ]
     for n, k in data["keys_moved"].items():
-        lines.append(f"| {n} | {k['moved_fraction']} | {k['moved_fraction_sampled']} | "
-                     f"{k['ideal_1_over_n']} | {k['moved_times_n']} | "
-                     f"{k['worst_replica_times_n']} |")
-    lines += ["", "## Isolated decision cost, prefix policy, GRPO requests "
-              "(µs, median of 3 rounds)", "",
-              "| N | wall p50 | wall p99 | CPU p50 | CPU p99 |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {n} | {k['moved_fraction']} | {k['moved_fraction_sampled']} | "
+            f"{k['ideal_1_over_n']} | {k['moved_times_n']} | "
+            f"{k['worst_replica_times_n']} |"
+        )
+    lines += [
+        "",
+        "## Isolated decision cost, prefix policy, GRPO requests (µs, median of 3 rounds)",
+        "",
+        "| N | wall p50 | wall p99 | CPU p50 | CPU p99 |",
+        "|---|---|---|---|---|",
+    ]
     for n, t in data["route_timing"].items():
-        lines.append(f"| {n} | {t['p50_us']} | {t['p99_us']} | {t['cpu_p50_us']} | "
-                     f"{t['cpu_p99_us']} |")
+        lines.append(
+            f"| {n} | {t['p50_us']} | {t['p99_us']} | {t['cpu_p50_us']} | {t['cpu_p99_us']} |"
+        )
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -454,7 +490,8 @@ def write_plot(data: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, metric, title in zip(
-        axes, ("hit_vs_oracle", "colocation", "served_max_over_mean"),
+        axes,
+        ("hit_vs_oracle", "colocation", "served_max_over_mean"),
         ("(a) hit rate / oracle", "(a) group co-location", "(a) served max/mean"),
         strict=True,
     ):

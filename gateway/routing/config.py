@@ -67,9 +67,17 @@ class RoutingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "text_block_bytes", "max_blocks", "key_blocks",
-                     "virtual_nodes", "max_probes", "index_capacity", "node_capacity",
-                     "template_capacity"):
+        for name in (
+            "block_size",
+            "text_block_bytes",
+            "max_blocks",
+            "key_blocks",
+            "virtual_nodes",
+            "max_probes",
+            "index_capacity",
+            "node_capacity",
+            "template_capacity",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"routing: {name} must be >= 1")
         if self.template_min_successors < 2:

@@ -228,7 +228,9 @@ class PrefixAffinityRouter:
         self.config = config or RoutingConfig()
         cfg = self.config
         self.index = PrefixIndex(
-            cfg.index_capacity, cfg.node_capacity, cfg.template_min_successors,
+            cfg.index_capacity,
+            cfg.node_capacity,
+            cfg.template_min_successors,
             cfg.template_capacity,
         )
         self._ring = HashRing((), cfg.virtual_nodes, cfg.ring_seed)
@@ -243,8 +245,12 @@ class PrefixAffinityRouter:
         if members != self._ring.members:
             t0 = time.perf_counter()
             self._ring = HashRing(members, self.config.virtual_nodes, self.config.ring_seed)
-            log.debug("routing ring rebuilt: %d replicas, %d points, %.1f ms", len(members),
-                      len(self._ring), (time.perf_counter() - t0) * 1e3)
+            log.debug(
+                "routing ring rebuilt: %d replicas, %d points, %.1f ms",
+                len(members),
+                len(self._ring),
+                (time.perf_counter() - t0) * 1e3,
+            )
 
     def features(self, request: RouteRequest) -> PromptKey | None:
         return prompt_key(
@@ -310,8 +316,9 @@ def _least_loaded(loads: Mapping[int, int]) -> int:
     return min(loads, key=lambda i: (loads[i], i))
 
 
-ROUTERS: dict[str, type[PrefixAffinityRouter | LeastLoadedRouter | RoundRobinRouter
-                         | RandomRouter]] = {
+ROUTERS: dict[
+    str, type[PrefixAffinityRouter | LeastLoadedRouter | RoundRobinRouter | RandomRouter]
+] = {
     "prefix": PrefixAffinityRouter,
     "least_loaded": LeastLoadedRouter,
     "round_robin": RoundRobinRouter,
@@ -324,6 +331,7 @@ def make_router(name: str, config: RoutingConfig | None = None) -> Router:
     try:
         cls = ROUTERS[name]
     except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose from {sorted(ROUTERS)}")\
-            from None
+        raise ValueError(
+            f"unknown routing policy {name!r}; choose from {sorted(ROUTERS)}"
+        ) from None
     return cls(config or RoutingConfig())

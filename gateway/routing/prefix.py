@@ -138,8 +138,10 @@ def _text_bytes(text: str, limit: int) -> bytes | None:
 def _part_bytes(part: Any) -> bytes:
     if isinstance(part, str):
         return part.encode("utf-8", "surrogatepass")
-    if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(
-        part.get("text"), str
+    if (
+        isinstance(part, Mapping)
+        and part.get("type") == "text"
+        and isinstance(part.get("text"), str)
     ):
         return str(part["text"]).encode("utf-8", "surrogatepass")
     return orjson.dumps(part, option=_SORT)
@@ -214,8 +216,9 @@ def _prompt_key(
     family = model_family(model, config)
     session = _session(session_key, payload)
     if session is not None:
-        h = xxh3_64_intdigest(session.encode("utf-8", "surrogatepass"),
-                              _seed(PromptKind.SESSION, family))
+        h = xxh3_64_intdigest(
+            session.encode("utf-8", "surrogatepass"), _seed(PromptKind.SESSION, family)
+        )
         return PromptKey(PromptKind.SESSION, (h,))
     k = config.max_blocks
     prompt = payload.get("prompt")

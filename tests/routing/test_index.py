@@ -49,8 +49,12 @@ def test_template_detected_after_enough_successors() -> None:
     assert idx.template_depth(probe.hashes) == 2
 
 
-@given(st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=30),
-                          st.integers(0, 7)), max_size=100))
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=30), st.integers(0, 7)),
+        max_size=100,
+    )
+)
 def test_memory_bounded(ops: list[tuple[list[int], int]]) -> None:
     idx = make(cap=10, nodes=20, succ=3, tmpl=5)
     for ids, replica in ops:

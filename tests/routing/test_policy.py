@@ -128,8 +128,9 @@ def test_reasons_no_key_spill_fallback_adapter_constraint() -> None:
     fresh = router("prefix", n=4)
     home = fresh.choose(req(prompt), views([0] * 4)).replica
     cands = [v for v in views([0] * 4) if v.index != home]
-    lacking = RouteRequest(COMP, "trl-policy-v1", {"prompt": prompt},
-                           lacking_adapter=frozenset({home}))
+    lacking = RouteRequest(
+        COMP, "trl-policy-v1", {"prompt": prompt}, lacking_adapter=frozenset({home})
+    )
     assert fresh.choose(lacking, cands).reason is Reason.ADAPTER_CONSTRAINT
 
 
@@ -141,11 +142,12 @@ def test_session_key_pins() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(loads=st.lists(st.integers(0, 80), min_size=1, max_size=24),
-       prompt=st.lists(st.integers(0, 1000), min_size=1, max_size=700),
-       eps=st.floats(0.05, 1.0))
-def test_bounded_load_holds_for_new_keys(loads: list[int], prompt: list[int],
-                                         eps: float) -> None:
+@given(
+    loads=st.lists(st.integers(0, 80), min_size=1, max_size=24),
+    prompt=st.lists(st.integers(0, 1000), min_size=1, max_size=700),
+    eps=st.floats(0.05, 1.0),
+)
+def test_bounded_load_holds_for_new_keys(loads: list[int], prompt: list[int], eps: float) -> None:
     r = router("prefix", n=len(loads), load_epsilon=eps, min_load_bound=1)
     d = r.choose(req(prompt), views(loads))
     bound = max(-(-(1 + eps) * (sum(loads) + 1) // len(loads)), 1)

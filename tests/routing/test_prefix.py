@@ -16,8 +16,13 @@ COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 
-def key(payload: Any, path: str = COMP, model: str | None = "trl-policy-v1",
-        session: str | None = None, cfg: RoutingConfig = CFG):
+def key(
+    payload: Any,
+    path: str = COMP,
+    model: str | None = "trl-policy-v1",
+    session: str | None = None,
+    cfg: RoutingConfig = CFG,
+):
     return prompt_key(path, model, payload, session, cfg)
 
 
@@ -58,9 +63,15 @@ def test_text_and_batch() -> None:
 def test_chat_roles_tools_and_extension() -> None:
     sys_msg = {"role": "system", "content": "Be terse. " * 60}
     t1 = [sys_msg, {"role": "user", "content": [{"type": "text", "text": "hi " * 80}]}]
-    t2 = [*t1, {"role": "assistant", "content": None,
-                "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
-          {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    t2 = [
+        *t1,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
     k1, k2 = key({"messages": t1}, CHAT), key({"messages": t2}, CHAT)
     assert k1 is not None and k2 is not None and k1.kind is PromptKind.CHAT
     whole = len(k1.hashes) - k1.has_tail
@@ -80,13 +91,32 @@ def test_session_overrides() -> None:
     assert key({**p, "user": ""}) == key(p)
 
 
-@pytest.mark.parametrize("payload", [
-    {}, {"prompt": []}, {"prompt": ""}, {"prompt": [-1, 2]}, {"prompt": [2**40]},
-    {"prompt": [1.5]}, {"prompt": ["a", 3]}, {"prompt": [[]]}, {"prompt": [None]},
-    {"prompt": {"a": 1}}, {"prompt": 7}, {"prompt": [[1, "x"]]}, {"messages": []},
-    {"messages": "hi"}, {"messages": [1]}, {"messages": [{"content": "no role"}]},
-    {"messages": [{"role": 3, "content": "x"}]}, [], "str", None, 5,
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {},
+        {"prompt": []},
+        {"prompt": ""},
+        {"prompt": [-1, 2]},
+        {"prompt": [2**40]},
+        {"prompt": [1.5]},
+        {"prompt": ["a", 3]},
+        {"prompt": [[]]},
+        {"prompt": [None]},
+        {"prompt": {"a": 1}},
+        {"prompt": 7},
+        {"prompt": [[1, "x"]]},
+        {"messages": []},
+        {"messages": "hi"},
+        {"messages": [1]},
+        {"messages": [{"content": "no role"}]},
+        {"messages": [{"role": 3, "content": "x"}]},
+        [],
+        "str",
+        None,
+        5,
+    ],
+)
 def test_malformed_gives_no_key(payload: Any) -> None:
     assert key(payload) is None
     assert key(payload, CHAT) is None
@@ -109,8 +139,10 @@ def test_never_raises_and_is_deterministic(prompt: Any, messages: Any, path: str
         assert 1 <= len(first.hashes) <= CFG.max_blocks
 
 
-@given(ids=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=3000),
-       extra=st.lists(st.integers(0, 2**32 - 1), max_size=300))
+@given(
+    ids=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=3000),
+    extra=st.lists(st.integers(0, 2**32 - 1), max_size=300),
+)
 def test_extension_shares_prefix_hashes(ids: list[int], extra: list[int]) -> None:
     a, b = key({"prompt": ids}), key({"prompt": ids + extra})
     assert a is not None and b is not None

@@ -22,7 +22,9 @@ def test_deterministic(members: set[int], key: int) -> None:
 @settings(max_examples=200)
 @given(
     loads=st.dictionaries(st.integers(0, 63), st.integers(0, 60), min_size=1, max_size=64),
-    key=keys, eps=st.floats(0.05, 2.0), probes=st.integers(1, 64),
+    key=keys,
+    eps=st.floats(0.05, 2.0),
+    probes=st.integers(1, 64),
 )
 def test_bounded_load_never_exceeded_while_someone_is_under(
     loads: dict[int, int], key: int, eps: float, probes: int
@@ -40,8 +42,9 @@ def test_bounded_load_never_exceeded_while_someone_is_under(
 
 
 @settings(max_examples=50)
-@given(n=st.integers(2, 40), gone=st.integers(0, 39),
-       sample=st.lists(keys, min_size=200, max_size=200))
+@given(
+    n=st.integers(2, 40), gone=st.integers(0, 39), sample=st.lists(keys, min_size=200, max_size=200)
+)
 def test_minimal_movement(n: int, gone: int, sample: list[int]) -> None:
     gone %= n
     ring = HashRing(range(n), 50)
