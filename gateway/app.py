@@ -1,8 +1,12 @@
-"""The FastAPI app factory and its lifespan: client, pool, router, health loop.
+"""The ASGI app factory and its lifespan: session, pool, router, adapters, health loop.
 
 ``Gateway`` is the one object the handlers see (``request.app.state.gateway``): it owns
-the pool, the upstream client, the router, the metrics and the adapter registry, plus
-the few I/O helpers that several handlers share (fan-out, health probes).
+the pool, the upstream session, the router, the adapter manager and the metrics, plus the
+few I/O helpers several handlers share (fan-out, health rounds).
+
+The app is a plain Starlette app: FastAPI's extra middleware layers (telemetry, body
+limit, exit stacks) cost measurable CPU per proxied request and the gateway uses none of
+its validation (it forwards bodies byte for byte).
 """
 
 from __future__ import annotations
@@ -12,24 +16,27 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import httpx
-from fastapi import FastAPI
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import __version__
-from gateway.adapter_proxy import BroadcastAdapters
+from gateway.adapters.manager import AdapterManager
+from gateway.adapters.naming import NamePattern
+from gateway.adapters.state import AdapterPolicy
 from gateway.config import Settings
 from gateway.errors import GatewayError, UpstreamUnavailable, error_body
 from gateway.metrics import Metrics
 from gateway.replicas import ReplicaPool, Transition
-from gateway.routes import build_routes, error_response
-from gateway.routing.policy import LeastLoadedRouter, Router
-from gateway.upstream import BufferedResponse, ReplicaConnectError, Upstream, make_client
+from gateway.routes import FastPath, build_routes, error_response
+from gateway.routing.config import RoutingConfig
+from gateway.routing.policy import PrefixAffinityRouter, Router, make_router
+from gateway.upstream import BufferedResponse, ReplicaConnectError, Upstream, make_session
 
-__all__ = ["Gateway", "create_app"]
+__all__ = ["Gateway", "build_gateway", "create_app"]
 
 log = logging.getLogger("gateway")
 
@@ -41,12 +48,11 @@ class Gateway:
     upstream: Upstream
     router: Router
     metrics: Metrics
-    adapters: BroadcastAdapters = field(init=False)
-    client_keys: tuple[bytes, ...] = ()
-    admin_keys: tuple[bytes, ...] = ()
+    adapters: AdapterManager
+    client_keys: tuple[bytes, ...] = field(default=(), init=False)
+    admin_keys: tuple[bytes, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
-        self.adapters = BroadcastAdapters(self)
         s = self.settings
         admin = s.admin_key.get_secret_value().encode() if s.admin_key else None
         client = s.api_key.get_secret_value().encode() if s.api_key else None
@@ -56,7 +62,9 @@ class Gateway:
 
     @property
     def min_healthy(self) -> int:
-        return len(self.pool)
+        """Replicas that must be up for ``/health`` to answer 200."""
+        wanted = self.settings.health_min_replicas
+        return len(self.pool) if wanted is None else min(wanted, len(self.pool))
 
     # --- replica selection ---------------------------------------------------------
 
@@ -66,16 +74,17 @@ class Gateway:
             raise UpstreamUnavailable("No healthy replica.", headers={"Retry-After": "2"})
         return healthy
 
-    def candidates_for(self, model: str | None) -> list[int]:
-        healthy = self.healthy_or_503()
-        allowed = self.adapters.candidates(model)
-        return healthy if allowed is None else [i for i in healthy if i in allowed]
-
     def on_connect_failure(self, index: int, kind: str) -> None:
         self.metrics.upstream_errors.labels(str(index), kind).inc()
         if self.pool.record_connect_failure(index) is Transition.EJECTED:
             self.metrics.ejections.labels(str(index), "passive").inc()
             log.warning("replica %d (%s) ejected: %s", index, self.pool[index].display, kind)
+            self.forget_cache(index)
+
+    def forget_cache(self, index: int) -> None:
+        """The replica's prefix cache is gone (restart, reset): stop steering by it."""
+        if isinstance(self.router, PrefixAffinityRouter):
+            self.router.forget_replica(index)
 
     # --- fan-out ---------------------------------------------------------------------
 
@@ -90,7 +99,7 @@ class Gateway:
         replicas: Sequence[int] | None = None,
     ) -> list[BufferedResponse]:
         """The same call on several replicas (default: every healthy one), concurrently.
-        An unreachable replica yields a status-0 result instead of an exception."""
+        A replica that cannot be reached yields a status-0 result instead of raising."""
         targets = list(replicas) if replicas is not None else self.healthy_or_503()
         timeout = self.settings.broadcast_timeout_s
 
@@ -118,18 +127,23 @@ class Gateway:
             return False
         return result.status == 200
 
-    async def health_round(self) -> None:
+    async def health_round(self, *, sync_adapters: bool = True) -> None:
+        """Probe every replica, apply ejections/admissions, then let the adapter manager
+        reconcile newly healthy replicas (they get adapter traffic only once it has)."""
         indices = range(len(self.pool))
         outcomes = await asyncio.gather(*(self.probe(i) for i in indices))
         for index, ok in zip(indices, outcomes, strict=True):
             change = self.pool.record_probe(index, ok)
             if change is Transition.EJECTED:
                 self.metrics.ejections.labels(str(index), "probe").inc()
+                self.forget_cache(index)
                 log.warning("replica %d (%s) failed health checks; ejected",
                             index, self.pool[index].display)  # fmt: skip
             elif change is Transition.READY:
                 self.pool.admit(index)
                 log.info("replica %d (%s) is healthy; admitted", index, self.pool[index].display)
+        if sync_adapters:
+            await self.adapters.sync_replicas(self.pool.healthy_indices())
 
     async def health_loop(self) -> None:
         while True:
@@ -156,23 +170,50 @@ class Gateway:
                 }
                 for r in self.pool.replicas
             ],
-            "routing": {
-                s.labels["reason"]: s.value
-                for metric in self.metrics.routing_decisions.collect()
-                for s in metric.samples
-                if s.name.endswith("_total")
-            },
+            "routing": self.metrics.routing_counts(),
+            "adapters": self.adapters.status(),
         }
 
 
-def build_gateway(settings: Settings, client: httpx.AsyncClient | None = None) -> Gateway:
+def adapter_policy(settings: Settings) -> AdapterPolicy:
+    return AdapterPolicy(
+        max_staleness=settings.max_staleness,
+        load_deadline_s=settings.adapter_load_deadline_s,
+        retry_initial_s=settings.adapter_retry_initial_s,
+        retry_max_s=settings.adapter_retry_max_s,
+        unload_grace_s=settings.adapter_unload_grace_s,
+        name_pattern=NamePattern(settings.adapter_name_pattern),
+    )
+
+
+def build_gateway(settings: Settings) -> Gateway:
+    """Everything but the event-loop-bound session, which the lifespan creates."""
     pool = ReplicaPool.from_settings(settings)
+    metrics = Metrics(pool)
+    upstream = Upstream(pool, lambda: make_session(settings))
+    adapters = AdapterManager(
+        upstream,
+        range(len(pool)),
+        policy=adapter_policy(settings),
+        call_timeout_s=settings.broadcast_timeout_s,
+        adapter_roots=[Path(p) for p in settings.adapter_roots],
+        on_settled=metrics.record_adapter_settlement,
+        on_action=metrics.record_adapter_action,
+    )
+    metrics.watch_adapters(adapters)
+    router = make_router(settings.router, RoutingConfig(**settings.routing))
+    if isinstance(router, PrefixAffinityRouter):
+        # The ring spans every configured replica; unhealthy ones are skipped at lookup,
+        # so a flapping replica never reshuffles everyone else's keys.
+        router.set_members(range(len(pool)))
+        metrics.watch_router(router)
     return Gateway(
         settings=settings,
         pool=pool,
-        upstream=Upstream(client or make_client(settings), pool),
-        router=LeastLoadedRouter(),
-        metrics=Metrics(pool),
+        upstream=upstream,
+        router=router,
+        metrics=metrics,
+        adapters=adapters,
     )
 
 
@@ -187,32 +228,36 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
                     media_type="application/json")  # fmt: skip
 
 
-def create_app(settings: Settings, *, client: httpx.AsyncClient | None = None) -> FastAPI:
-    """Build the ASGI app. ``client`` lets tests inject a transport."""
-    gateway = build_gateway(settings, client)
+def create_app(settings: Settings) -> FastPath:
+    """Build the ASGI app; start-up probes replicas and rebuilds adapter state."""
+    gateway = build_gateway(settings)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await gateway.health_round()
-        task = asyncio.create_task(gateway.health_loop(), name="gateway-health")
-        log.info("gateway up: %d replicas, %d healthy", len(gateway.pool),
-                 len(gateway.pool.healthy_indices()))  # fmt: skip
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # Adopt what the replicas already hold *before* any reconciliation, so a
+        # restarted gateway never unloads adapters it simply did not know about yet.
+        await gateway.health_round(sync_adapters=False)
+        await gateway.adapters.rebuild()
+        tasks = [
+            asyncio.create_task(gateway.health_loop(), name="gateway-health"),
+            asyncio.create_task(gateway.adapters.run_ticks(), name="gateway-adapter-ticks"),
+        ]
+        log.info("gateway up: %d replicas, %d healthy, router %s", len(gateway.pool),
+                 len(gateway.pool.healthy_indices()), gateway.router.name)  # fmt: skip
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait_for(task, timeout=5)
+                await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+            await gateway.adapters.aclose()
             await gateway.upstream.aclose()
 
-    app = FastAPI(
-        title="rollout-gateway",
-        version=__version__,
+    app = Starlette(
         routes=build_routes(),
         lifespan=lifespan,
         exception_handlers={GatewayError: _gateway_error, Exception: _unexpected_error},
-        docs_url=None,
-        redoc_url=None,
     )
     app.state.gateway = gateway
-    return app
+    return FastPath(app)

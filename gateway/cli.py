@@ -115,6 +115,7 @@ def serve(argv: Sequence[str]) -> int:
         loop="uvloop",
         http="httptools",
         access_log=False,
+        proxy_headers=False,  # the gateway is the edge of its pod; no X-Forwarded-* trust
         log_config=None,
         timeout_graceful_shutdown=10,
     )

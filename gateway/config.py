@@ -91,13 +91,40 @@ class Settings(BaseSettings):
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: str = Field("INFO", description="stdlib logging level.")
-    router: str = Field("least_loaded", description="Routing policy name.")
+    router: str = Field(
+        "prefix", description="Routing policy: prefix, least_loaded, round_robin or random."
+    )
+    routing: dict[str, Any] = Field(
+        default_factory=dict,
+        description="RoutingConfig overrides, e.g. {block_size: 32, load_epsilon: 0.25} "
+        "(see docs/routing.md); JSON in GATEWAY_ROUTING.",
+    )
+
+    # Adapter lifecycle (see docs/adapters.md).
+    adapter_name_pattern: str = Field(
+        r"^(?P<family>.+)-v(?P<version>\d+)$",
+        description="Regex with named groups 'family' and 'version' for versioned adapters.",
+    )
+    adapter_load_deadline_s: float = Field(
+        300.0, gt=0, description="Retry 'No adapter found' (mount lag) this long, then 504."
+    )
+    adapter_retry_initial_s: float = Field(0.5, gt=0, description="First mount-lag backoff.")
+    adapter_retry_max_s: float = Field(2.0, gt=0, description="Largest mount-lag backoff.")
+    adapter_unload_grace_s: float = Field(
+        5.0, ge=0, description="Max wait for in-flight requests before an unload is applied."
+    )
 
     # Health checking and ejection.
     health_interval_s: float = Field(2.0, gt=0, description="Active /health probe period.")
     health_timeout_s: float = Field(2.0, gt=0, description="Timeout of one health probe.")
     unhealthy_threshold: int = Field(2, ge=1, description="Failed probes before ejection.")
     healthy_threshold: int = Field(1, ge=1, description="Good probes before re-admission.")
+    health_min_replicas: int | None = Field(
+        None,
+        ge=1,
+        description="Degraded mode: /health is 200 with at least this many replicas up "
+        "(default: all of them).",
+    )
 
     # Upstream HTTP.
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect timeout.")
@@ -116,6 +143,11 @@ class Settings(BaseSettings):
                 return yaml.safe_load(text)
             return [part for part in (p.strip() for p in text.split(",")) if part]
         return value
+
+    @field_validator("routing", mode="before")
+    @classmethod
+    def _parse_routing(cls, value: Any) -> Any:
+        return yaml.safe_load(value) if isinstance(value, str) else value
 
     @field_validator("adapter_roots", mode="before")
     @classmethod

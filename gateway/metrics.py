@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,10 +22,15 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.replicas import ReplicaPool
+
+if TYPE_CHECKING:
+    from gateway.adapters.manager import AdapterManager
+    from gateway.adapters.state import Action, Result, Settlement
+    from gateway.routing.policy import Decision, PrefixAffinityRouter
 
 __all__ = ["CONTENT_TYPE", "Metrics", "RouteKind"]
 
@@ -69,6 +75,67 @@ class _PoolCollector(Collector):
             healthy.add_metric(label, 1.0 if replica.up else 0.0)
         yield in_flight
         yield healthy
+
+
+class _AdapterCollector(Collector):
+    """Scrape-time view of the adapter registry: live versions per family (families are
+    few and operator-chosen), version lag and state per replica, evictions."""
+
+    def __init__(self, manager: AdapterManager) -> None:
+        self._manager = manager
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._manager.snapshot()
+        live = GaugeMetricFamily(
+            "gateway_adapter_live_versions",
+            "Adapter versions live on every replica, per family.",
+            labels=["family"],
+        )
+        for family, count in sorted(snap.live_versions.items()):
+            live.add_metric([family], count)
+        lag = GaugeMetricFamily(
+            "gateway_adapter_version_lag",
+            "Newest live version minus the newest version a replica holds.",
+            labels=["replica"],
+        )
+        synced = GaugeMetricFamily(
+            "gateway_adapter_replica_synced",
+            "1 if the replica holds every live adapter (adapter traffic allowed).",
+            labels=["replica"],
+        )
+        for replica in snap.replicas:
+            lag.add_metric([str(replica.index)], replica.version_lag)
+            synced.add_metric([str(replica.index)], 1.0 if replica.state == "up" else 0.0)
+        evictions = CounterMetricFamily(
+            "gateway_adapter_evictions",
+            "Adapter versions evicted by the gateway's staleness window.",
+        )
+        evictions.add_metric([], snap.counts.get("evict.stale", 0))
+        yield from (live, lag, synced, evictions)
+
+
+class _RouterCollector(Collector):
+    """Size of the prefix router's learned index (bounded by its configured capacity)."""
+
+    def __init__(self, router: PrefixAffinityRouter) -> None:
+        self._router = router
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._router.stats()
+        entries = GaugeMetricFamily(
+            "gateway_routing_index_entries",
+            "Entries in the prefix router's index, by kind.",
+            labels=["kind"],
+        )
+        entries.add_metric(["served"], stats.served)
+        entries.add_metric(["nodes"], stats.nodes)
+        entries.add_metric(["templates"], stats.templates)
+        size = GaugeMetricFamily(
+            "gateway_routing_index_bytes", "Approximate memory held by the prefix index."
+        )
+        size.add_metric([], stats.approx_bytes)
+        yield entries
+        yield size
 
 
 class Metrics:
@@ -125,12 +192,81 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.routing_seconds = Histogram(
+            "gateway_routing_decision_seconds",
+            "Time spent choosing a replica for one request.",
+            buckets=(5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3),
+            registry=r,
+        )
+        self.routing_moved = Counter(
+            "gateway_routing_new_key_moved_total",
+            "New prompts placed past their ring home because it was over the load bound.",
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "gateway_client_disconnects_total",
             "Client disconnects that cancelled an upstream request.",
             registry=r,
         )
+        self.adapter_loads = Counter(
+            "gateway_adapter_loads_total",
+            "Adapter load transactions by outcome (ok, rejected, not_found_timeout, ...).",
+            ["outcome"],
+            registry=r,
+        )
+        self.adapter_load_seconds = Histogram(
+            "gateway_adapter_load_seconds",
+            "Time from a load request until the adapter was live everywhere (or failed).",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.adapter_load_retries = Counter(
+            "gateway_adapter_load_retries_total",
+            "Per-replica load retries because the adapter was not visible yet (mount lag).",
+            registry=r,
+        )
+        self.adapter_unloads = Counter(
+            "gateway_adapter_unloads_total",
+            "Per-replica adapter unloads by outcome.",
+            ["outcome"],
+            registry=r,
+        )
         r.register(_PoolCollector(pool))
+
+    def watch_router(self, router: PrefixAffinityRouter) -> None:
+        self.registry.register(_RouterCollector(router))
+
+    def record_decision(self, decision: Decision, seconds: float) -> None:
+        self.routing_decisions.labels(decision.reason.value).inc()
+        self.routing_seconds.observe(seconds)
+        if decision.moved_by_load:
+            self.routing_moved.inc()
+
+    def watch_adapters(self, manager: AdapterManager) -> None:
+        self.registry.register(_AdapterCollector(manager))
+
+    def record_adapter_settlement(self, settled: Settlement) -> None:
+        outcome = "ok" if settled.ok else str(settled.failure or "failed")
+        self.adapter_loads.labels(outcome).inc()
+        self.adapter_load_seconds.labels(outcome).observe(settled.seconds)
+
+    def record_adapter_action(self, action: Action, result: Result) -> None:
+        from gateway.adapters.state import LoadOnReplica, Outcome
+
+        if isinstance(action, LoadOnReplica):
+            if result.outcome is Outcome.NOT_FOUND:
+                self.adapter_load_retries.inc()
+        else:
+            self.adapter_unloads.labels(result.outcome.value).inc()
+
+    def routing_counts(self) -> dict[str, float]:
+        return {
+            sample.labels["reason"]: sample.value
+            for metric in self.routing_decisions.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        }
 
     def record_request(self, route: RouteKind, status: int, seconds: float) -> None:
         self.requests.labels(route.value, f"{status // 100}xx").inc()

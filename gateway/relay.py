@@ -4,8 +4,8 @@
 ``data: [DONE]`` and all), and guarantees its ``on_close`` callback runs exactly once --
 even when the client is gone before the first byte, where a plain Starlette
 ``StreamingResponse`` would never start its generator and so never run its ``finally``.
-A client disconnect cancels the relay, which closes the upstream connection, which makes
-vLLM abort the generation.
+A client disconnect cancels the relay and *closes* the upstream connection (instead of
+returning it to the pool), which makes vLLM abort the generation.
 
 ``cancel_on_disconnect`` does the same for buffered (non-streaming) exchanges: it watches
 the ASGI ``receive`` channel and cancels the waiting handler when the client leaves.
@@ -14,10 +14,10 @@ the ASGI ``receive`` channel and cancels the waiting handler when the client lea
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import httpx
+import aiohttp
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -33,60 +33,51 @@ class ClientDisconnected(Exception):
 
 
 class RelayResponse(Response):
-    """Stream ``upstream``'s body to the client; ``on_close`` runs once, whatever happens."""
+    """Stream ``upstream``'s body to the client; ``on_close(completed)`` runs once."""
 
     def __init__(
         self,
-        upstream: httpx.Response,
+        upstream: aiohttp.ClientResponse,
         headers: list[tuple[bytes, bytes]],
-        on_close: Callable[[bool], Awaitable[None]],
+        on_close: Callable[[bool], None],
     ) -> None:
-        self.status_code = upstream.status_code
+        self.status_code = upstream.status
         self.background = None
         self.raw_headers = headers
         self._upstream = upstream
         self._on_close = on_close
 
-    async def _pump(self, send: Send) -> None:
+    async def _pump(self, send: Send) -> bool:
+        """Relay everything; False if the upstream broke mid-body."""
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
-        chunks: AsyncIterator[bytes] = self._upstream.aiter_raw()
+        intact = True
         try:
-            async for chunk in chunks:
-                if chunk:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (httpx.HTTPError, OSError):
+            async for chunk in self._upstream.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, ConnectionError, TimeoutError):
+            intact = False
             # Headers are out: the only honest signal left is an SSE error event.
-            if self._upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            if self._upstream.content_type == "text/event-stream":
                 err = UpstreamError("upstream replica failed mid-stream").body()
-                await send(
-                    {"type": "http.response.body", "body": b"data: " + err + b"\n\n",
-                     "more_body": True}
-                )  # fmt: skip
+                event = b"data: " + err + b"\n\n"
+                await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return intact
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         completed = False
         try:
-            task = asyncio.current_task()
-            assert task is not None
-            watcher = asyncio.ensure_future(_wait_disconnect(receive))
-            watcher.add_done_callback(lambda w: _cancel_if_disconnected(w, task))
-            try:
-                await self._pump(send)
-                completed = True
-            except asyncio.CancelledError:
-                if not watcher.done() or watcher.cancelled():
-                    raise
-                task.uncancel()
-            except OSError:
-                pass  # client socket closed under us
-            finally:
-                watcher.cancel()
+            completed = await cancel_on_disconnect(receive, self._pump(send))
+        except (ClientDisconnected, OSError):
+            pass  # the client left; nobody to answer
         finally:
-            await self._upstream.aclose()
-            await self._on_close(completed)
+            if completed:
+                self._upstream.release()  # connection back to the pool
+            else:
+                self._upstream.close()  # abort: vLLM cancels the generation
+            self._on_close(completed)
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -96,18 +87,18 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-def _cancel_if_disconnected(watcher: asyncio.Future[None], task: asyncio.Task[object]) -> None:
-    if not watcher.cancelled() and watcher.exception() is None:
-        task.cancel()
-
-
 async def cancel_on_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     """Await ``work``; if the client disconnects first, cancel it and raise
     ``ClientDisconnected``. Costs one watcher task per request."""
     task = asyncio.current_task()
     assert task is not None
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    watcher.add_done_callback(lambda w: _cancel_if_disconnected(w, task))
+
+    def on_disconnect(w: asyncio.Future[None]) -> None:
+        if not w.cancelled() and w.exception() is None:
+            task.cancel()
+
+    watcher.add_done_callback(on_disconnect)
     try:
         return await work
     except asyncio.CancelledError:
@@ -116,4 +107,5 @@ async def cancel_on_disconnect(receive: Receive, work: Awaitable[T]) -> T:
             raise ClientDisconnected from None
         raise
     finally:
+        watcher.remove_done_callback(on_disconnect)
         watcher.cancel()

@@ -27,26 +27,30 @@ import time
 import uuid
 from base64 import b64decode
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import orjson
+from starlette.applications import Starlette
+from starlette.datastructures import State
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
 
 from gateway.errors import (
     BadRequest,
     BroadcastFailed,
     GatewayError,
     MethodNotAllowed,
+    NotFound,
     PayloadTooLarge,
     Unauthorized,
     UpstreamUnavailable,
 )
 from gateway.metrics import CONTENT_TYPE, RouteKind
 from gateway.relay import RelayResponse, cancel_on_disconnect
-from gateway.routing.policy import ReplicaView, RouteRequest
+from gateway.routing.policy import CandidateLoads, RouteRequest
 from gateway.upstream import (
     BufferedResponse,
     ReplicaConnectError,
@@ -58,7 +62,7 @@ from gateway.upstream import (
 if TYPE_CHECKING:
     from gateway.app import Gateway
 
-__all__ = ["build_routes"]
+__all__ = ["FastPath", "build_routes", "error_response"]
 
 log = logging.getLogger("gateway.routes")
 
@@ -67,6 +71,7 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _JSON = "application/json"
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_ADAPTER_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 BROADCAST_PATHS = (
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
@@ -203,26 +208,37 @@ def _session_key(request: Request, payload: Mapping[str, Any]) -> str | None:
 # --- dispatch to one replica --------------------------------------------------------------
 
 
+@dataclass(slots=True)
+class Pick:
+    """How one request chooses its replica, and what to tell others when it starts/ends.
+
+    ``started(i)`` may refuse a replica (e.g. its adapter copy is being retired); the
+    request then picks again among the others."""
+
+    choose: Callable[[Sequence[int]], int]
+    started: Callable[[int], bool] = lambda index: True
+    finished: Callable[[int], None] = lambda index: None
+
+
 async def dispatch(
-    request: Request,
-    gw: Gateway,
-    kind: RouteKind,
-    body: bytes,
-    choose: Callable[[Sequence[int]], int],
-    candidates: Sequence[int],
-) -> Response:
+    request: Request, gw: Gateway, kind: RouteKind, body: bytes, candidates: Sequence[int],
+    pick: Pick,
+) -> Response:  # fmt: skip
     """Send to one replica chosen among ``candidates``; if it fails before any response
     byte, eject it and try another. Streams are relayed as they arrive."""
     started = time.perf_counter()
     request_id = request_id_for(request)
     headers = request_headers(request.scope["headers"], request_id)
-    path = request.url.path
+    path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path
     query = request.scope.get("query_string", b"").decode("latin-1")
     remaining = list(candidates)
     while True:
         if not remaining:
             raise UpstreamUnavailable("No healthy replica could take the request.")
-        index = choose(remaining)
+        index = pick.choose(remaining)
+        remaining.remove(index)
+        if not pick.started(index):
+            continue
         gw.pool.acquire(index)
         gw.metrics.routed.labels(str(index)).inc()
         try:
@@ -232,42 +248,44 @@ async def dispatch(
                                  body=body),
             )  # fmt: skip
         except ReplicaConnectError as exc:
-            gw.pool.release(index)
+            _release(gw, pick, index)
             gw.on_connect_failure(index, exc.kind)
-            remaining.remove(index)
             gw.metrics.retries.inc()
             continue
         except BaseException:
-            gw.pool.release(index)
+            _release(gw, pick, index)
             raise
         break
 
-    out_headers = response_headers(upstream.headers.multi_items(), index, request_id)
-    if _is_stream(upstream):
+    out_headers = response_headers(upstream.raw_headers, index, request_id)
+    status = upstream.status
+    if upstream.content_length is None or upstream.content_type == "text/event-stream":
 
-        async def on_close(completed: bool) -> None:
-            gw.pool.release(index)
-            gw.metrics.record_request(kind, upstream.status_code, time.perf_counter() - started)
+        def on_close(completed: bool) -> None:
+            _release(gw, pick, index)
+            if not completed:
+                gw.metrics.client_disconnects.inc()
+            gw.metrics.record_request(kind, status, time.perf_counter() - started)
 
         return RelayResponse(upstream, out_headers, on_close)
     # A sized, non-SSE body: read it whole and answer with one write and a Content-Length.
+    done = False
     try:
         with map_errors(index, sending=False):
-            content = await cancel_on_disconnect(request.receive, upstream.aread())
+            content = await cancel_on_disconnect(request.receive, upstream.read())
+        done = True
     finally:
-        await upstream.aclose()
-        gw.pool.release(index)
-    gw.metrics.record_request(kind, upstream.status_code, time.perf_counter() - started)
-    response = Response(content, status_code=upstream.status_code)
+        upstream.release() if done else upstream.close()
+        _release(gw, pick, index)
+    gw.metrics.record_request(kind, status, time.perf_counter() - started)
+    response = Response(content, status_code=status)
     response.raw_headers = [*out_headers, (b"content-length", str(len(content)).encode())]
     return response
 
 
-def _is_stream(upstream: httpx.Response) -> bool:
-    headers = upstream.headers
-    return "content-length" not in headers or headers.get("content-type", "").startswith(
-        "text/event-stream"
-    )
+def _release(gw: Gateway, pick: Pick, index: int) -> None:
+    gw.pool.release(index)
+    pick.finished(index)
 
 
 async def routed(request: Request) -> Response:
@@ -279,18 +297,41 @@ async def routed(request: Request) -> Response:
     path = request.url.path
     _check_generation(path, payload)
     model = payload.get("model")
-    candidates = gw.candidates_for(model)
+    healthy = gw.healthy_or_503()
+    allowed = gw.adapters.candidates(model)
+    candidates = healthy if allowed is None else [i for i in healthy if i in allowed]
+    if not candidates:
+        if isinstance(model, str) and gw.adapters.is_live(model):
+            raise UpstreamUnavailable(f"No healthy replica holds `{model}` right now.",
+                                      headers={"Retry-After": "1"})  # fmt: skip
+        # vLLM's own answer for a model it does not serve.
+        raise NotFound(f"The model `{model}` does not exist.", param="model")
     route_request = RouteRequest(
-        path=path, model=model, payload=payload, session_key=_session_key(request, payload)
+        path=path,
+        model=model,
+        payload=payload,
+        session_key=_session_key(request, payload),
+        lacking_adapter=frozenset(healthy) - frozenset(candidates),
     )
 
     def choose(remaining: Sequence[int]) -> int:
-        views = [ReplicaView(i, gw.pool[i].in_flight) for i in remaining]
-        decision = gw.router.choose(route_request, views)
-        gw.metrics.routing_decisions.labels(decision.reason.value).inc()
+        loads = CandidateLoads({i: gw.pool[i].in_flight for i in remaining})
+        t0 = time.perf_counter()
+        decision = gw.router.choose(route_request, loads)
+        gw.metrics.record_decision(decision, time.perf_counter() - t0)
+        gw.router.observe(decision)
         return decision.replica
 
-    return await dispatch(request, gw, RouteKind.ROUTED, body, choose, candidates)
+    if allowed is None:
+        return await dispatch(request, gw, RouteKind.ROUTED, body, candidates, Pick(choose))
+    assert model is not None
+    manager = gw.adapters
+    pick = Pick(
+        choose,
+        started=lambda i: manager.request_started(model, i),
+        finished=lambda i: manager.request_finished(model, i),
+    )
+    return await dispatch(request, gw, RouteKind.ROUTED, body, candidates, pick)
 
 
 async def forwarded(request: Request) -> Response:
@@ -302,7 +343,8 @@ async def forwarded(request: Request) -> Response:
     def choose(remaining: Sequence[int]) -> int:
         return min(remaining, key=lambda i: (gw.pool[i].in_flight, i))
 
-    return await dispatch(request, gw, RouteKind.FORWARDED, body, choose, gw.healthy_or_503())
+    return await dispatch(request, gw, RouteKind.FORWARDED, body, gw.healthy_or_503(),
+                          Pick(choose))  # fmt: skip
 
 
 # --- broadcast ----------------------------------------------------------------------------
@@ -323,8 +365,12 @@ async def broadcast(request: Request) -> Response:
     body = await read_body(request, gw.settings.max_body_bytes)
     path = request.url.path
     request_id = request_id_for(request)
-    if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-        return await gw.adapters.handle(path, parse_json_object(body), request_id)
+    if path in _ADAPTER_PATHS:
+        payload = parse_json_object(body)
+        manager = gw.adapters
+        handler = manager.load if path == "/v1/load_lora_adapter" else manager.unload
+        reply = await handler(payload)
+        return Response(reply.content, status_code=reply.status, media_type=reply.media_type)
     query = request.scope.get("query_string", b"").decode("latin-1")
     headers = request_headers(request.scope["headers"], request_id)
     results = await gw.fan_out(request.method, path, body=body or None, query=query,
@@ -333,11 +379,14 @@ async def broadcast(request: Request) -> Response:
     endpoint = path.rsplit("/", 1)[-1]
     gw.metrics.broadcasts.labels(endpoint, "failed" if failed else "ok").inc()
     if failed:
-        raise BroadcastFailed(describe_failures(failed))
+        raise BroadcastFailed(_describe_failures(failed))
+    if path == "/reset_prefix_cache":
+        for result in results:
+            gw.forget_cache(result.replica)
     return _relay_buffered(results[0], request_id)
 
 
-def describe_failures(failed: Sequence[BufferedResponse]) -> str:
+def _describe_failures(failed: Sequence[BufferedResponse]) -> str:
     parts = []
     for r in failed:
         detail = r.content[:200].decode("utf-8", "replace").strip()
@@ -403,17 +452,28 @@ async def server_info(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    """``/v1/models``: the base model(s), plus adapters that are live on every replica."""
+    """``/v1/models``: the base model(s) of one replica, plus the adapters that are live on
+    every replica (the adapter manager's view, not any single replica's)."""
     gw = _gateway(request)
     require_client(request)
     results = [r for r in await gw.fan_out("GET", "/v1/models") if r.status == 200]
     if not results:
         raise UpstreamUnavailable("No healthy replica answered /v1/models.")
-    listings = [orjson.loads(r.content) for r in results]
-    first = listings[0]
-    live = gw.adapters.live_names(listings)
-    first["data"] = [m for m in first.get("data", []) if not m.get("parent") or m["id"] in live]
-    return json_response(first)
+    listing = orjson.loads(results[0].content)
+    entries = [m for m in listing.get("data", []) if isinstance(m, dict)]
+    bases = [m for m in entries if not m.get("parent")]
+    known = {m["id"]: m for m in entries if m.get("parent")}
+    parent = bases[0]["id"] if bases else None
+    live = []
+    for adapter in gw.adapters.live_adapters():
+        entry = dict(
+            known.get(adapter.name)
+            or {"id": adapter.name, "object": "model", "owned_by": "vllm", "parent": parent}
+        )
+        entry["root"] = adapter.path
+        live.append(entry)  # fmt: skip
+    listing["data"] = [*bases, *live]
+    return json_response(listing)
 
 
 # --- the gateway's own --------------------------------------------------------------------
@@ -462,3 +522,39 @@ def build_routes() -> list[BaseRoute]:
     routes += _with_405("/gateway/status", status, ["GET"])
     routes.append(Route("/{path:path}", forwarded, methods=list(_ALL_METHODS)))
     return routes
+
+
+class FastPath:
+    """Outer ASGI app: ``POST`` to a ROUTED path skips Starlette's router and middleware.
+
+    Rollouts are the gateway's whole load; on 2 cores the proxy's CPU per request is its
+    throughput, and the generic stack (route matching, two exception middlewares wrapping
+    every ``send``) cost a measurable share of it (``bench/overhead.py``). Everything else
+    goes to the full Starlette app. Errors are mapped exactly as its handlers map them.
+    """
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+
+    @property
+    def state(self) -> State:
+        return self.app.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or scope["path"] not in ROUTED_PATHS
+        ):
+            await self.app(scope, receive, send)
+            return
+        scope["app"] = self.app
+        request = Request(scope, receive)
+        try:
+            response = await routed(request)
+        except GatewayError as exc:
+            response = error_response(exc)
+        except Exception:
+            log.exception("unhandled error on POST %s", scope["path"])
+            response = error_response(GatewayError("Internal gateway error."))
+        await response(scope, receive, send)

@@ -1,30 +1,32 @@
-"""Upstream HTTP: one shared httpx client, header hygiene, auth injection, error mapping.
+"""Upstream HTTP: one shared aiohttp session, header hygiene, auth injection, error mapping.
 
-Transport. httpx's API over aiohttp's connection pool (``httpx-aiohttp``): on this
-2-core machine httpx's default transport (httpcore) caps a proxy at ~740 req/s while
-aiohttp's client reaches ~4,800 (``shared/reference/perf-calibration.md``;
-``bench/overhead.py`` re-measures it side by side). The client is injected, so tests can
-pass ``httpx.MockTransport`` or an ASGI transport instead.
+Client choice, by measurement (``bench/transport.py``, committed results in
+``bench/results/transport.md``): against an instant upstream at 64 in flight, CPU per
+request was httpx (httpcore) 19.8x, ``httpx.AsyncClient`` over the ``httpx-aiohttp``
+transport 3.6x, that transport without ``AsyncClient`` 1.7x, relative to a plain
+``aiohttp.ClientSession`` (1.0x). On a 2-core box the proxy's CPU per request *is* its
+throughput, so the data path speaks aiohttp directly: no cookie jar, no redirect or auth
+machinery, URLs pre-built per replica and path.
 
-Header hygiene (RFC 9110 §7.6.1): hop-by-hop headers, ``Host``, ``Content-Length`` and
-the client's ``Authorization`` never go upstream; the replica's own credential is added
-instead. ``X-Request-Id`` is propagated (or created by the caller).
+Header hygiene (RFC 9110 §7.6.1): hop-by-hop headers (and any named in ``Connection``),
+``Host``, ``Content-Length`` and the client's ``Authorization`` never go upstream; the
+replica's own credential is added instead. ``X-Request-Id`` is propagated.
 
-Errors. Every httpx/aiohttp failure is mapped once, here, to ``gateway.errors``. A failure
-while *sending* (before any response byte: connection refused, reset, closed keep-alive
-connection) is a ``ReplicaConnectError`` -- the only kind that is safe to retry on another
-replica, because the replica produced nothing the client could have seen.
+Errors. Every aiohttp failure is mapped once, here, to ``gateway.errors``. A failure before
+the response headers arrived (refused, reset, a stale keep-alive connection) is a
+``ReplicaConnectError``: the only kind that is safe to retry on another replica, because
+the replica produced nothing the client could have seen.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import aiohttp
-import httpx
-from httpx_aiohttp import AiohttpTransport
+from yarl import URL
 
 from gateway.config import Settings
 from gateway.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
@@ -34,7 +36,8 @@ __all__ = [
     "BufferedResponse",
     "ReplicaConnectError",
     "Upstream",
-    "make_client",
+    "make_session",
+    "map_errors",
     "request_headers",
     "response_headers",
 ]
@@ -42,21 +45,22 @@ __all__ = [
 # Never forwarded in either direction (RFC 9110 §7.6.1) or recomputed by the hop itself.
 _HOP_BY_HOP = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "content-length",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
     }
 )
-_REQUEST_DROP = _HOP_BY_HOP | {"host", "authorization", "x-request-id", "expect"}
+_REQUEST_DROP = _HOP_BY_HOP | {b"host", b"authorization", b"x-request-id", b"expect"}
 # uvicorn adds its own Date/Server; the gateway sets its own replica and request headers.
-_RESPONSE_DROP = _HOP_BY_HOP | {"date", "server", "x-gateway-replica", "x-request-id"}
+_RESPONSE_DROP = _HOP_BY_HOP | {b"date", b"server", b"x-gateway-replica", b"x-request-id"}
+_URL_CACHE_LIMIT = 4096
 
 
 class ReplicaConnectError(UpstreamUnavailable):
@@ -71,68 +75,58 @@ class ReplicaConnectError(UpstreamUnavailable):
 @dataclass(frozen=True, slots=True)
 class BufferedResponse:
     status: int
-    headers: list[tuple[str, str]]
+    headers: list[tuple[bytes, bytes]]
     content: bytes
     replica: int
 
     def header(self, name: str, default: str = "") -> str:
-        name = name.lower()
-        return next((v for k, v in self.headers if k.lower() == name), default)
+        key = name.lower().encode("latin-1")
+        return next((v.decode("latin-1") for k, v in self.headers if k.lower() == key), default)
 
 
-def make_client(settings: Settings) -> httpx.AsyncClient:
-    """The shared keep-alive client every upstream call goes through."""
-    limits = httpx.Limits(
-        max_connections=settings.max_connections,
-        max_keepalive_connections=settings.max_connections,
-        keepalive_expiry=30.0,
+def make_session(settings: Settings) -> aiohttp.ClientSession:
+    """The shared keep-alive session every upstream call goes through (create in a loop)."""
+    connector = aiohttp.TCPConnector(
+        limit=settings.max_connections, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300
     )
-    timeout = httpx.Timeout(
-        connect=settings.connect_timeout_s,
-        read=settings.read_timeout_s,
-        write=settings.read_timeout_s,
-        pool=settings.connect_timeout_s,
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
     )
-    return httpx.AsyncClient(
-        transport=AiohttpTransport(limits=limits, trust_env=False),
+    return aiohttp.ClientSession(
+        connector=connector,
         timeout=timeout,
+        cookie_jar=aiohttp.DummyCookieJar(),  # a proxy must not keep cookies
+        auto_decompress=False,  # relay bytes exactly as the replica sent them
         trust_env=False,
+        skip_auto_headers=("User-Agent",),
     )
 
 
-def _connection_tokens(raw: Iterable[tuple[bytes, bytes]]) -> frozenset[str]:
+def _connection_tokens(raw: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
     """Header names listed in ``Connection:`` are hop-by-hop too (RFC 9110 §7.6.1)."""
-    names: set[str] = set()
+    names: set[bytes] = set()
     for key, value in raw:
         if key.lower() == b"connection":
-            names.update(t.strip().lower() for t in value.decode("latin-1").split(","))
+            names.update(t.strip().lower() for t in value.split(b","))
     return frozenset(names)
 
 
 def request_headers(raw: Iterable[tuple[bytes, bytes]], request_id: str) -> list[tuple[str, str]]:
-    """Client headers (ASGI raw pairs) as they may go upstream, minus credentials."""
+    """Client headers (ASGI raw pairs, lower-case) as they may go upstream."""
     raw = list(raw)
-    extra = _connection_tokens(raw)
-    out = [
-        (k.decode("latin-1"), v.decode("latin-1"))
-        for k, v in raw
-        if (name := k.decode("latin-1").lower()) not in _REQUEST_DROP and name not in extra
-    ]
+    drop = _REQUEST_DROP | _connection_tokens(raw)
+    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k not in drop]
     out.append(("x-request-id", request_id))
     return out
 
 
 def response_headers(
-    upstream: Iterable[tuple[str, str]], replica: int, request_id: str
+    upstream: Iterable[tuple[bytes, bytes]], replica: int, request_id: str
 ) -> list[tuple[bytes, bytes]]:
-    """Upstream response headers as ASGI raw pairs, hop-by-hop removed, ours added."""
-    pairs = list(upstream)
-    extra = _connection_tokens((k.encode("latin-1"), v.encode("latin-1")) for k, v in pairs)
-    out = [
-        (k.lower().encode("latin-1"), v.encode("latin-1"))
-        for k, v in pairs
-        if (name := k.lower()) not in _RESPONSE_DROP and name not in extra
-    ]
+    """Upstream raw response headers as ASGI pairs, hop-by-hop removed, ours added."""
+    pairs = [(k.lower(), v) for k, v in upstream]
+    drop = _RESPONSE_DROP | _connection_tokens(pairs)
+    out = [(k, v) for k, v in pairs if k not in drop]
     out.append((b"x-gateway-replica", str(replica).encode()))
     out.append((b"x-request-id", request_id.encode("latin-1")))
     return out
@@ -140,31 +134,53 @@ def response_headers(
 
 @contextlib.contextmanager
 def map_errors(replica: int, *, sending: bool) -> Iterator[None]:
-    """Turn transport exceptions into gateway errors (``raise ... from exc``)."""
+    """Turn transport exceptions into gateway errors (``raise ... from exc``).
+
+    ``sending``: no response byte has arrived yet, so connection failures are retryable.
+    """
     try:
         yield
-    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-        if sending:
-            raise ReplicaConnectError(replica, "connect") from exc
-        raise UpstreamError(f"replica {replica} closed the connection mid-response") from exc
-    except httpx.TimeoutException as exc:
+    except aiohttp.ConnectionTimeoutError as exc:
+        raise ReplicaConnectError(replica, "connect_timeout") from exc
+    except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
         raise UpstreamTimeout(f"replica {replica} did not answer in time") from exc
-    except (httpx.TransportError, aiohttp.ClientError, ConnectionError) as exc:
-        if sending:
+    except aiohttp.ClientConnectorError as exc:
+        raise ReplicaConnectError(replica, "connect") from exc
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        if sending and not isinstance(exc, aiohttp.ClientResponseError):
             raise ReplicaConnectError(replica, "reset") from exc
-        raise UpstreamError(f"replica {replica} closed the connection mid-response") from exc
+        raise UpstreamError(f"replica {replica} failed mid-response") from exc
 
 
 class Upstream:
     """Sends requests to replica ``i`` of the pool with its credential attached."""
 
-    def __init__(self, client: httpx.AsyncClient, pool: ReplicaPool) -> None:
-        self.client = client
+    def __init__(
+        self, pool: ReplicaPool, make_session: Callable[[], aiohttp.ClientSession]
+    ) -> None:
         self.pool = pool
+        self._make_session = make_session
+        self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[tuple[int, str, str], URL] = {}
 
-    def _url(self, replica: int, path: str, query: str) -> str:
-        base = str(self.pool[replica].base_url).rstrip("/")
-        return f"{base}{path}?{query}" if query else f"{base}{path}"
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """Created on first use, inside the running event loop (aiohttp requires one)."""
+        if self._session is None:
+            self._session = self._make_session()
+        return self._session
+
+    def url(self, replica: int, path: str, query: str = "") -> URL:
+        """Pre-built (already encoded) URL; parsing one per request costs more than routing."""
+        key = (replica, path, query)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) >= _URL_CACHE_LIMIT:
+                self._urls.clear()
+            base = str(self.pool[replica].base_url).rstrip("/")
+            url = URL(f"{base}{path}?{query}" if query else f"{base}{path}", encoded=True)
+            self._urls[key] = url
+        return url
 
     async def send(
         self,
@@ -176,21 +192,24 @@ class Upstream:
         headers: list[tuple[str, str]] | None = None,
         body: bytes | None = None,
         timeout: float | None = None,
-    ) -> httpx.Response:
-        """Send and return once headers arrived; the caller reads and closes the body."""
+    ) -> aiohttp.ClientResponse:
+        """Send; return once the response headers arrived. The caller reads the body and
+        then ``release()``s (or ``close()``s, to abort the upstream request)."""
         hdrs = list(headers) if headers else []
         auth = self.pool[replica].auth_header
         if auth:
-            hdrs.append(("authorization", auth))
-        request = self.client.build_request(
-            method,
-            self._url(replica, path, query),
-            headers=hdrs,
-            content=body or None,
-            timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
-        )
+            hdrs.append(("Authorization", auth))
+        url = self.url(replica, path, query)
+        data = body or None
         with map_errors(replica, sending=True):
-            return await self.client.send(request, stream=True)
+            if timeout is None:  # the session's connect/read timeouts apply
+                return await self.session.request(
+                    method, url, headers=hdrs, data=data, allow_redirects=False
+                )
+            return await self.session.request(
+                method, url, headers=hdrs, data=data, allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            )  # fmt: skip
 
     async def call(
         self,
@@ -211,12 +230,14 @@ class Upstream:
         )
         try:
             with map_errors(replica, sending=False):
-                content = await response.aread()
+                content = await response.read()
         finally:
-            await response.aclose()
-        return BufferedResponse(
-            response.status_code, list(response.headers.multi_items()), content, replica
-        )
+            response.release()
+        return BufferedResponse(response.status, list(response.raw_headers), content, replica)
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+            # aiohttp closes transports on the next loop iteration; let that happen.
+            await asyncio.sleep(0)

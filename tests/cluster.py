@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from gateway.app import Gateway, create_app
+from gateway.routes import FastPath
 from gateway.config import load_settings
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
@@ -21,7 +22,7 @@ from gateway.testing import serve_asgi
 class SimReplica:
     """One sim replica that a test can stop (port refuses connections) and restart."""
 
-    app: FastAPI
+    app: FastPath
     url: str = ""
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
 
@@ -43,7 +44,7 @@ class SimReplica:
 class Cluster:
     url: str
     replicas: list[SimReplica]
-    app: FastAPI
+    app: FastPath
 
     @property
     def replica_urls(self) -> list[str]:

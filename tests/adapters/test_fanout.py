@@ -19,7 +19,7 @@ from gateway.replicas import ReplicaPool
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 from gateway.sim.state import SimState
-from gateway.upstream import Upstream, make_client
+from gateway.upstream import Upstream, make_session
 from tests.cluster import SimReplica
 
 FAST = AdapterPolicy(
@@ -54,7 +54,7 @@ async def rig(
     settings = load_settings(
         {"replicas": [r.url for r in replicas], "connect_timeout_s": 0.5}, environ={}
     )
-    upstream = Upstream(make_client(settings), ReplicaPool.from_settings(settings))
+    upstream = Upstream(ReplicaPool.from_settings(settings), lambda: make_session(settings))
     manager = AdapterManager(
         upstream, range(n), policy=policy, call_timeout_s=5.0, adapter_roots=roots
     )
