@@ -30,6 +30,7 @@ from gateway.adapters.state import AdapterPolicy
 from gateway.config import Settings
 from gateway.errors import GatewayError, UpstreamUnavailable, error_body
 from gateway.metrics import Metrics
+from gateway.relay import ClientDisconnected
 from gateway.replicas import ReplicaPool, Transition
 from gateway.routes import FastPath, build_routes, error_response
 from gateway.routing.config import RoutingConfig
@@ -222,6 +223,10 @@ async def _gateway_error(request: Request, exc: Exception) -> Response:
     return error_response(exc)
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody is listening; nothing is sent
+
+
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return Response(error_body("Internal gateway error.", 500), status_code=500,
@@ -257,7 +262,11 @@ def create_app(settings: Settings) -> FastPath:
     app = Starlette(
         routes=build_routes(),
         lifespan=lifespan,
-        exception_handlers={GatewayError: _gateway_error, Exception: _unexpected_error},
+        exception_handlers={
+            GatewayError: _gateway_error,
+            ClientDisconnected: _client_gone,
+            Exception: _unexpected_error,
+        },
     )
     app.state.gateway = gateway
     return FastPath(app)

@@ -233,6 +233,8 @@ class Metrics:
             registry=r,
         )
         r.register(_PoolCollector(pool))
+        self._request_children: dict[tuple[RouteKind, int], tuple[Counter, Histogram]] = {}
+        self._routed_children: dict[int, Counter] = {}
 
     def watch_router(self, router: PrefixAffinityRouter) -> None:
         self.registry.register(_RouterCollector(router))
@@ -269,8 +271,21 @@ class Metrics:
         }
 
     def record_request(self, route: RouteKind, status: int, seconds: float) -> None:
-        self.requests.labels(route.value, f"{status // 100}xx").inc()
-        self.request_seconds.labels(route.value).observe(seconds)
+        key = (route, status // 100)
+        children = self._request_children.get(key)
+        if children is None:  # label lookups hash and lock; do them once per label set
+            children = self._request_children[key] = (
+                self.requests.labels(route.value, f"{status // 100}xx"),
+                self.request_seconds.labels(route.value),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def record_routed(self, replica: int) -> None:
+        child = self._routed_children.get(replica)
+        if child is None:
+            child = self._routed_children[replica] = self.routed.labels(str(replica))
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

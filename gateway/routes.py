@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import re
 import time
-import uuid
 from base64 import b64decode
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,7 +49,7 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.metrics import CONTENT_TYPE, RouteKind
-from gateway.relay import RelayResponse, cancel_on_disconnect
+from gateway.relay import ClientDisconnected, RelayResponse, cancel_on_disconnect
 from gateway.routing.policy import CandidateLoads, RouteRequest
 from gateway.upstream import (
     BufferedResponse,
@@ -67,7 +67,7 @@ __all__ = ["FastPath", "build_routes", "error_response"]
 log = logging.getLogger("gateway.routes")
 
 _ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
 _JSON = "application/json"
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -99,19 +99,29 @@ def error_response(exc: GatewayError) -> Response:
 # --- auth ---------------------------------------------------------------------------------
 
 
+def header(request: Request, name: bytes) -> bytes | None:
+    """One request header by lower-case name. The raw list is turned into a dict once per
+    request: Starlette's ``Headers.get`` scans the whole list on every call."""
+    scope = request.scope
+    table: dict[bytes, bytes] | None = scope.get("gateway.headers")
+    if table is None:
+        table = scope["gateway.headers"] = dict(scope["headers"])
+    return table.get(name)
+
+
 def _presented_key(request: Request) -> bytes | None:
     """The key in ``Authorization``: ``Bearer KEY``, or the password of ``Basic`` auth,
     which is all TRL can send (``http://user:KEY@gateway`` in its server URL)."""
-    header = request.headers.get("authorization")
-    if not header:
+    value = header(request, b"authorization")
+    if not value:
         return None
-    scheme, _, value = header.partition(" ")
+    scheme, _, rest = value.partition(b" ")
     scheme = scheme.lower()
-    if scheme == "bearer":
-        return value.strip().encode()
-    if scheme == "basic":
+    if scheme == b"bearer":
+        return rest.strip()
+    if scheme == b"basic":
         try:
-            decoded = b64decode(value.strip(), validate=True)
+            decoded = b64decode(rest.strip(), validate=True)
         except ValueError:
             return None
         return decoded.partition(b":")[2]
@@ -146,7 +156,8 @@ def require_admin(request: Request) -> None:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+    """The whole body, refused early (413) when it is or becomes larger than ``limit``."""
+    declared = header(request, b"content-length")
     if declared is not None:
         if not declared.isdigit():
             raise BadRequest("Invalid Content-Length header.")
@@ -154,12 +165,18 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    more = True
+    while more:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.")
         chunks.append(chunk)
-    return b"".join(chunks)
+        more = message.get("more_body", False)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -194,14 +211,15 @@ def _check_generation(path: str, payload: Mapping[str, Any]) -> None:
 
 
 def request_id_for(request: Request) -> str:
-    given = request.headers.get("x-request-id")
+    given = header(request, b"x-request-id")
     if given and _REQUEST_ID.match(given):
-        return given
-    return uuid.uuid4().hex
+        return given.decode("ascii")
+    return os.urandom(12).hex()
 
 
 def _session_key(request: Request, payload: Mapping[str, Any]) -> str | None:
-    key = request.headers.get("x-session-id") or payload.get("user")
+    given = header(request, b"x-session-id")
+    key = given.decode("latin-1") if given else payload.get("user")
     return key if isinstance(key, str) and key else None
 
 
@@ -229,7 +247,7 @@ async def dispatch(
     started = time.perf_counter()
     request_id = request_id_for(request)
     headers = request_headers(request.scope["headers"], request_id)
-    path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path
+    path = request.scope.get("raw_path", b"").decode("latin-1") or request.scope["path"]
     query = request.scope.get("query_string", b"").decode("latin-1")
     remaining = list(candidates)
     while True:
@@ -240,7 +258,7 @@ async def dispatch(
         if not pick.started(index):
             continue
         gw.pool.acquire(index)
-        gw.metrics.routed.labels(str(index)).inc()
+        gw.metrics.record_routed(index)
         try:
             upstream = await cancel_on_disconnect(
                 request.receive,
@@ -294,7 +312,7 @@ async def routed(request: Request) -> Response:
     require_client(request)
     body = await read_body(request, gw.settings.max_body_bytes)
     payload = parse_json_object(body)
-    path = request.url.path
+    path: str = request.scope["path"]
     _check_generation(path, payload)
     model = payload.get("model")
     healthy = gw.healthy_or_503()
@@ -552,6 +570,8 @@ class FastPath:
         request = Request(scope, receive)
         try:
             response = await routed(request)
+        except ClientDisconnected:
+            return
         except GatewayError as exc:
             response = error_response(exc)
         except Exception:
