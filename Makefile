@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_PY := $(CURDIR)/.venv-vllm/bin/python
 
 .PHONY: help venv vllm lint test test-fast demo bench clean
 
@@ -31,8 +32,12 @@ lint: venv
 test-fast: venv
 	$(BIN)/python -m pytest -m "not e2e" -q
 
+# Three pytest runs: the fast layer, then each real-vLLM layer on its own, so that no more
+# than two vLLM replicas share the 2 cores at any time.
 test: venv vllm lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -m "not e2e" -q
+	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/local -q
+	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/e2e -q
 
 demo: venv
 	$(BIN)/python -m gateway.demo

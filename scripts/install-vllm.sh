@@ -23,6 +23,8 @@ REQUIREMENTS=(
   "transformers==5.19.0"
   "tokenizers==0.23.3"
   "safetensors==0.8.0"
+  # TRL's own client code drives the gateway in tests/e2e/test_trl_client.py.
+  "trl==1.16.0"
 )
 # Packages that arrive as CUDA builds and break `from transformers import ...`.
 REMOVE=(torchvision torchaudio torchcodec)
