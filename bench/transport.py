@@ -126,7 +126,7 @@ def main() -> None:
     for name, r in results.items():
         lines.append(
             f"| {name} | {r['cpu_us_per_request']:.0f} | {r['requests_per_s']:.0f} | "
-            f"{r['cpu_us_per_request'] / base:.2f}× |"
+            f"{r['cpu_us_per_request'] / base:.2f}x |"
         )
     table = "\n".join(lines)
     print(table)

@@ -7,11 +7,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI
-
 from gateway.app import Gateway, create_app
-from gateway.routes import FastPath
 from gateway.config import load_settings
+from gateway.routes import FastPath
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 from gateway.sim.state import SimState
