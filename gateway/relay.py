@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.errors import UpstreamError
 
-__all__ = ["ClientDisconnected", "RelayResponse", "cancel_on_disconnect"]
+__all__ = ["BodyResponse", "ClientDisconnected", "RelayResponse", "cancel_on_disconnect"]
 
 T = TypeVar("T")
 _ARM_AFTER_S = 0.05
@@ -31,6 +31,17 @@ _ARM_AFTER_S = 0.05
 
 class ClientDisconnected(Exception):
     """The client went away while the gateway was waiting on the upstream."""
+
+
+class BodyResponse(Response):
+    """A complete body with headers already in ASGI form: no per-request header rendering
+    (``Response.__init__`` re-encodes and re-scans them)."""
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status_code = status
+        self.body = body
+        self.background = None
+        self.raw_headers = [*headers, (b"content-length", str(len(body)).encode())]
 
 
 class RelayResponse(Response):

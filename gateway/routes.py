@@ -49,7 +49,7 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.metrics import CONTENT_TYPE, RouteKind
-from gateway.relay import ClientDisconnected, RelayResponse, cancel_on_disconnect
+from gateway.relay import BodyResponse, ClientDisconnected, RelayResponse, cancel_on_disconnect
 from gateway.routing.policy import CandidateLoads, RouteRequest
 from gateway.upstream import (
     BufferedResponse,
@@ -296,9 +296,7 @@ async def dispatch(
         upstream.release() if done else upstream.close()
         _release(gw, pick, index)
     gw.metrics.record_request(kind, status, time.perf_counter() - started)
-    response = Response(content, status_code=status)
-    response.raw_headers = [*out_headers, (b"content-length", str(len(content)).encode())]
-    return response
+    return BodyResponse(status, out_headers, content)
 
 
 def _release(gw: Gateway, pick: Pick, index: int) -> None:
@@ -370,9 +368,7 @@ async def forwarded(request: Request) -> Response:
 
 def _relay_buffered(result: BufferedResponse, request_id: str) -> Response:
     headers = response_headers(result.headers, result.replica, request_id)
-    response = Response(result.content, status_code=result.status)
-    response.raw_headers = [*headers, (b"content-length", str(len(result.content)).encode())]
-    return response
+    return BodyResponse(result.status, headers, result.content)
 
 
 async def broadcast(request: Request) -> Response:
