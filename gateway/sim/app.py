@@ -23,6 +23,7 @@ Shapes verified against vLLM's source: ``serve/lora/api_router.py`` (LoRA succes
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -161,6 +162,28 @@ async def _drain(gen: Generation) -> None:
         pass
 
 
+async def _drain_or_abort(request: Request, gen: Generation) -> bool:
+    """Run ``gen`` to the end unless the client hangs up first, then abort it: vLLM's
+    ``@with_cancellation`` on its non-streaming handlers. True if it completed."""
+    work = asyncio.ensure_future(_drain(gen))
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        return False
+    work.result()
+    return True
+
+
 def create_sim_app(config: SimConfig | None = None) -> FastAPI:
     """Build one simulated replica; its engine state and fault control is ``app.state.sim``."""
     cfg = config or SimConfig()
@@ -192,7 +215,7 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         return StreamingResponse(body(), media_type="text/event-stream")
 
     @app.post("/v1/completions", dependencies=json_body)
-    async def completions(req: CompletionRequest) -> Response:
+    async def completions(req: CompletionRequest, request: Request) -> Response:
         prompts = _prompt_ids(req.prompt)
         num_top = req.logprobs if req.logprobs is not None else 0
         limits = _check_sampling(state, prompts, req.n, req.max_tokens, num_top, "logprobs")
@@ -200,11 +223,12 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         meta = R.Meta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), name, cfg)
         if req.stream:
             return stream(lambda: R.completion_chunks(gen, req, meta))
-        await _drain(gen)
+        if not await _drain_or_abort(request, gen):
+            return Response(status_code=499)
         return _json(R.completion_body(gen, req, meta))
 
     @app.post("/v1/chat/completions", dependencies=json_body)
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         try:
             prompts = [apply_chat_template(req.messages, req.add_generation_prompt)]
         except ValueError as exc:
@@ -217,7 +241,8 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         meta = R.Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), name, cfg)
         if req.stream:
             return stream(lambda: R.chat_chunks(gen, req, meta))
-        await _drain(gen)
+        if not await _drain_or_abort(request, gen):
+            return Response(status_code=499)
         return _json(R.chat_body(gen, req, meta))
 
     @app.post("/v1/load_lora_adapter", dependencies=json_body)
