@@ -66,7 +66,7 @@ __all__ = ["FastPath", "build_routes", "error_response"]
 
 log = logging.getLogger("gateway.routes")
 
-_ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+_ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
 _JSON = "application/json"
 
