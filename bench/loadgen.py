@@ -12,12 +12,26 @@ time limit passes). Responses are parsed properly (status line, ``Content-Length
 Modes: ``latency`` = 1 in flight; ``throughput`` = ``--concurrency`` (default 64) in flight.
 Prints one JSON object: requests, errors, status counts, elapsed, req/s, latency percentiles
 (ms). ``run_load`` is importable for in-process use.
+
+Paced (open-loop) mode, ``--rate R``: the C connections together offer R req/s. Request j
+(0..N-1) is scheduled at ``start + j / R`` on connection ``j % C``, so each connection has
+its own schedule (interval C/R, start staggered by 1/R) and never more than one request in
+flight. Latency is measured from the *scheduled* send time (no coordinated omission). If a
+connection is still busy at its next slot, that send is *late*: it goes out as soon as the
+response arrives and its latency still counts from the slot. Late sends, the achieved rate,
+in-flight counts and the client's own timer lag are reported, so a front that cannot keep up
+shows as such. Before the schedule starts, every connection sends one untimed priming
+request (first-request-on-connection costs are not measured).
+
+    python bench/loadgen.py --url http://127.0.0.1:8000 --rate 300 --concurrency 64 --requests 2400
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import random
 import sys
@@ -28,7 +42,7 @@ from urllib.parse import urlsplit
 
 import uvloop
 
-__all__ = ["LoadResult", "make_bodies", "run_load", "summarize"]
+__all__ = ["LoadResult", "make_bodies", "run_load", "run_paced", "summarize"]
 
 
 def make_bodies(count: int = 64, prompt_tokens: int = 200, seed: int = 0) -> list[bytes]:
@@ -110,6 +124,16 @@ class LoadResult:
     transport_errors: int = 0
     elapsed_s: float = 0.0
     timed_out: bool = False
+    # Paced (open-loop) mode only:
+    paced: bool = False
+    offered_rps: float = 0.0
+    service_s: list[float] = field(default_factory=list)  # response - actual write
+    send_lag_s: list[float] = field(default_factory=list)  # actual write - slot (on-time sends)
+    late_sends: int = 0  # connection still busy at its slot
+    max_late_s: float = 0.0  # worst write - slot among late sends
+    unsent: int = 0  # slots never sent (deadline or dead connection)
+    primed: int = 0  # untimed priming requests (one per connection)
+    max_in_flight: int = 0
 
 
 class _Shared:
@@ -204,6 +228,213 @@ class _Conn(asyncio.Protocol):
             self.closed.set_result(None)
 
 
+class _PacedShared:
+    def __init__(self, rate: float, conns: int, deadline: float, payloads: list[bytes]) -> None:
+        self.conns = conns
+        self.interval = conns / rate
+        self.rate = rate
+        self.deadline = deadline
+        self.payloads = payloads
+        self.start = 0.0
+        self.in_flight = 0
+        self.live = 0  # connections with slots left
+        self.priming = 0
+        self.result = LoadResult(paced=True, offered_rps=rate)
+        loop = asyncio.get_running_loop()
+        self.primed: asyncio.Future[None] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+
+    def conn_finished(self) -> None:
+        self.live -= 1
+        if self.live <= 0 and not self.done.done():
+            self.done.set_result(None)
+
+    def primed_one(self) -> None:
+        self.priming -= 1
+        if self.priming <= 0 and not self.primed.done():
+            self.primed.set_result(None)
+
+
+class _PacedConn(asyncio.Protocol):
+    """One keep-alive connection with its own open-loop schedule (one request in flight)."""
+
+    def __init__(self, shared: _PacedShared, index: int, count: int) -> None:
+        self.shared = shared
+        self.index = index  # global slot j = index + k * C
+        self.count = count  # this connection's slots
+        self.k = 0  # next slot number on this connection
+        self.buf = bytearray()
+        self.busy = False
+        self.priming = False
+        self.finished = False
+        self.slot_at = 0.0
+        self.sent_at = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.transport: asyncio.Transport | None = None
+        self.loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def _payload(self) -> bytes:
+        payloads = self.shared.payloads
+        return payloads[(self.index + self.k * self.shared.conns) % len(payloads)]
+
+    def prime(self) -> None:
+        assert self.transport is not None
+        self.priming = self.busy = True
+        self.transport.write(self.shared.payloads[self.index % len(self.shared.payloads)])
+
+    def slot_time(self, k: int) -> float:
+        return self.shared.start + (self.index / self.shared.rate) + k * self.shared.interval
+
+    def schedule_next(self) -> None:
+        """Arm the timer for slot ``k``, or send now (late) if it has already passed."""
+        if self.k >= self.count:
+            self._finish()
+            return
+        slot = self.slot_time(self.k)
+        now = time.perf_counter()
+        if now > self.shared.deadline:
+            self.shared.result.timed_out = True
+            self._finish()
+            return
+        if slot <= now:
+            self._send(slot, late=True)
+        else:
+            self.timer = self.loop.call_at(self.loop.time() + (slot - now), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        if not self.finished and not self.busy:
+            self._send(self.slot_time(self.k), late=False)
+
+    def _send(self, slot: float, *, late: bool) -> None:
+        assert self.transport is not None
+        payload = self._payload()
+        self.k += 1
+        self.busy = True
+        self.slot_at = slot
+        self.sent_at = now = time.perf_counter()
+        shared = self.shared
+        result = shared.result
+        if late:
+            result.late_sends += 1
+            result.max_late_s = max(result.max_late_s, now - slot)
+        else:
+            result.send_lag_s.append(now - slot)
+        shared.in_flight += 1
+        result.max_in_flight = max(result.max_in_flight, shared.in_flight)
+        self.transport.write(payload)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if not self.busy:
+            return
+        try:
+            parsed = _parse_response(self.buf)
+        except (_ParseError, ValueError):
+            self._lost()
+            if self.transport is not None:
+                self.transport.close()
+            return
+        if parsed is None:
+            return
+        now = time.perf_counter()
+        status, consumed = parsed
+        del self.buf[:consumed]
+        self.busy = False
+        result = self.shared.result
+        if self.priming:
+            self.priming = False
+            result.primed += 1
+            if status != 200:
+                result.statuses[status] += 1  # a failing priming request is an error too
+            self.shared.primed_one()
+            return
+        self.shared.in_flight -= 1
+        result.statuses[status] += 1
+        result.latencies_s.append(now - self.slot_at)
+        result.service_s.append(now - self.sent_at)
+        self.schedule_next()
+
+    def _finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.shared.result.unsent += self.count - self.k
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            self.shared.conn_finished()
+
+    def _lost(self) -> None:
+        if self.busy:
+            self.busy = False
+            self.shared.result.transport_errors += 1
+            if self.priming:
+                self.priming = False
+                self.shared.primed_one()
+            else:
+                self.shared.in_flight -= 1
+        self._finish()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost()
+
+
+async def run_paced(
+    url: str,
+    *,
+    rate: float,
+    concurrency: int,
+    requests: int,
+    max_seconds: float = 60.0,
+    path: str = "/v1/completions",
+    bodies: list[bytes] | None = None,
+) -> LoadResult:
+    """Offer ``rate`` req/s in total over ``concurrency`` connections, ``requests`` in all."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    payloads = _requests(host, port, path, bodies or make_bodies())
+    loop = asyncio.get_running_loop()
+    shared = _PacedShared(rate, concurrency, time.perf_counter() + max_seconds, payloads)
+    conns: list[_PacedConn] = []
+    for i in range(concurrency):
+        count = len(range(i, requests, concurrency))
+        factory = functools.partial(_PacedConn, shared, i, count)
+        _, proto = await loop.create_connection(factory, host, port)
+        conns.append(proto)
+    # Priming: one untimed request per connection, then a short pause before the schedule.
+    shared.priming = len(conns)
+    for conn in conns:
+        conn.prime()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(shared.primed), timeout=min(10.0, max_seconds))
+    await asyncio.sleep(0.05)
+    shared.live = sum(1 for c in conns if not c.finished)
+    shared.start = time.perf_counter() + 0.005
+    for conn in conns:
+        if not conn.finished and not conn.busy:
+            conn.schedule_next()
+        elif not conn.finished:  # priming never answered: give up on this connection
+            conn._finish()
+    if shared.live <= 0 and not shared.done.done():
+        shared.done.set_result(None)
+    try:
+        await asyncio.wait_for(asyncio.shield(shared.done), timeout=max_seconds + 10.0)
+    except TimeoutError:
+        shared.result.timed_out = True
+    shared.result.elapsed_s = time.perf_counter() - shared.start
+    for conn in conns:
+        if conn.timer is not None:
+            conn.timer.cancel()
+        if conn.transport is not None:
+            conn.transport.close()
+    return shared.result
+
+
 async def run_load(
     url: str,
     *,
@@ -252,7 +483,7 @@ def summarize(result: LoadResult) -> dict[str, object]:
     done = sum(result.statuses.values())
     errors = done - ok + result.transport_errors
     ms = 1000.0
-    return {
+    out: dict[str, object] = {
         "requests": done + result.transport_errors,
         "ok": ok,
         "errors": errors,
@@ -267,6 +498,30 @@ def summarize(result: LoadResult) -> dict[str, object]:
         "max_ms": round(lat[-1] * ms, 4) if lat else float("nan"),
         "mean_ms": round(sum(lat) / len(lat) * ms, 4) if lat else float("nan"),
     }
+    if result.paced:
+        svc = sorted(result.service_s)
+        lag = sorted(result.send_lag_s)
+        sent = len(lat)
+        out.update(
+            paced=True,
+            offered_rps=round(result.offered_rps, 1),
+            achieved_ratio=round(done / result.elapsed_s / result.offered_rps, 3)
+            if result.elapsed_s > 0 and result.offered_rps > 0
+            else 0.0,
+            late_sends=result.late_sends,
+            late_fraction=round(result.late_sends / sent, 4) if sent else 0.0,
+            max_late_ms=round(result.max_late_s * ms, 3),
+            unsent=result.unsent,
+            primed=result.primed,
+            max_in_flight=result.max_in_flight,
+            # Little's law: time-averaged number of requests in flight.
+            mean_in_flight=round(sum(svc) / result.elapsed_s, 3) if result.elapsed_s > 0 else 0,
+            service_p50_ms=round(_pct(svc, 50) * ms, 4),
+            service_p99_ms=round(_pct(svc, 99) * ms, 4),
+            send_lag_p50_ms=round(_pct(lag, 50) * ms, 4),
+            send_lag_p99_ms=round(_pct(lag, 99) * ms, 4),
+        )
+    return out
 
 
 async def _main_async(args: argparse.Namespace) -> dict[str, object]:
@@ -281,16 +536,28 @@ async def _main_async(args: argparse.Namespace) -> dict[str, object]:
             path=args.path,
             bodies=bodies,
         )
-    result = await run_load(
-        args.url,
-        concurrency=concurrency,
-        requests=args.requests,
-        max_seconds=args.max_seconds,
-        path=args.path,
-        bodies=bodies,
-    )
+    if args.rate:
+        result = await run_paced(
+            args.url,
+            rate=args.rate,
+            concurrency=concurrency,
+            requests=args.requests,
+            max_seconds=args.max_seconds,
+            path=args.path,
+            bodies=bodies,
+        )
+    else:
+        result = await run_load(
+            args.url,
+            concurrency=concurrency,
+            requests=args.requests,
+            max_seconds=args.max_seconds,
+            path=args.path,
+            bodies=bodies,
+        )
     out = summarize(result)
-    out.update(mode=args.mode, concurrency=concurrency, url=args.url)
+    mode = f"paced@{args.rate:g}" if args.rate else args.mode
+    out.update(mode=mode, concurrency=concurrency, url=args.url)
     return out
 
 
@@ -301,6 +568,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("latency", "throughput"), default="throughput")
     parser.add_argument("--concurrency", type=int, default=64, help="in flight (throughput)")
     parser.add_argument("--requests", type=int, default=5000)
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="paced open-loop mode: total offered req/s over the connections (0 = closed loop)",
+    )
     parser.add_argument("--warmup", type=int, default=0, help="untimed requests first")
     parser.add_argument("--max-seconds", type=float, default=60.0, help="time limit per run")
     parser.add_argument("--seed", type=int, default=0)
