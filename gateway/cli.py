@@ -15,7 +15,10 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import uvicorn
 
 __all__ = ["main"]
 
@@ -87,6 +90,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     add("--log-level", help="logging level (default INFO)")
     add("--health-interval-s", type=float, help="active health probe period (default 2)")
     add("--max-body-bytes", type=int, help="request body limit (default 32 MiB)")
+    add(
+        "--shutdown-timeout-s",
+        type=float,
+        help="on SIGTERM, drain in-flight requests this long, then exit 0 (default 10)",
+    )
     return p  # fmt: skip
 
 
@@ -108,7 +116,7 @@ def serve(argv: Sequence[str]) -> int:
         print("rollout-gateway serve: at least one --replica is required", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level)
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
@@ -117,9 +125,32 @@ def serve(argv: Sequence[str]) -> int:
         access_log=False,
         proxy_headers=False,  # the gateway is the edge of its pod; no X-Forwarded-* trust
         log_config=None,
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
-    return 0
+    server = _draining_server(config)
+    server.run()
+    return 0 if server.started else 3
+
+
+def _draining_server(config: uvicorn.Config) -> uvicorn.Server:
+    import contextlib
+    from collections.abc import Iterator
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM/SIGINT: stop accepting, drain in-flight requests for up to
+        ``shutdown_timeout_s``, then exit 0. (uvicorn re-raises the signal after its
+        graceful shutdown, so the process would die by it with status 143, which
+        orchestrators read as a crash.)"""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    return DrainingServer(config)
 
 
 def _delegate(module: str) -> Callable[[Sequence[str]], int]:

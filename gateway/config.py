@@ -132,6 +132,9 @@ class Settings(BaseSettings):
     broadcast_timeout_s: float = Field(120.0, gt=0, description="Per-replica fan-out timeout.")
     max_connections: int = Field(1024, ge=1, description="Upstream connection pool size.")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="Request body limit.")
+    shutdown_timeout_s: int = Field(
+        10, ge=0, description="On SIGTERM: drain in-flight requests this long, then exit 0."
+    )
 
     @field_validator("replicas", mode="before")
     @classmethod
