@@ -88,16 +88,47 @@ class RouteRequest:
     lacking_adapter: frozenset[int] = frozenset()
 
 
-@dataclass(frozen=True, slots=True)
 class Decision:
-    """The chosen replica, why, and the features ``observe`` needs (no re-hashing)."""
+    """The chosen replica, why, and the features ``observe`` needs (no re-hashing).
 
-    replica: int
-    reason: Reason
-    key: PromptKey | None = field(default=None, compare=False, repr=False)
-    #: A new key (``ring``) that the bounded-load walk placed past its ring home. Not a
-    #: spill: no replica held its prefix yet, so nothing is lost; exported separately.
-    moved_by_load: bool = False
+    A plain ``__slots__`` class (treat it as immutable): built once per routed request, and
+    a frozen dataclass's ``__init__`` costs ~1 us of the decision budget. Equality ignores
+    ``key``, as before.
+    """
+
+    __slots__ = ("key", "moved_by_load", "reason", "replica")
+
+    def __init__(
+        self,
+        replica: int,
+        reason: Reason,
+        key: PromptKey | None = None,
+        moved_by_load: bool = False,
+    ) -> None:
+        self.replica = replica
+        self.reason = reason
+        self.key = key
+        #: A new key (``ring``) that the bounded-load walk placed past its ring home. Not a
+        #: spill: no replica held its prefix yet, so nothing is lost; exported separately.
+        self.moved_by_load = moved_by_load
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Decision):
+            return NotImplemented
+        return (self.replica, self.reason, self.moved_by_load) == (
+            other.replica,
+            other.reason,
+            other.moved_by_load,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.replica, self.reason, self.moved_by_load))
+
+    def __repr__(self) -> str:
+        return (
+            f"Decision(replica={self.replica}, reason={self.reason!r}, "
+            f"moved_by_load={self.moved_by_load})"
+        )
 
 
 class CandidateLoads(Sequence[ReplicaView]):
@@ -129,8 +160,10 @@ class CandidateLoads(Sequence[ReplicaView]):
     @overload
     def __getitem__(self, i: slice) -> Sequence[ReplicaView]: ...
     def __getitem__(self, i: int | slice) -> ReplicaView | Sequence[ReplicaView]:
-        views = list(self)
-        return views[i]
+        if isinstance(i, slice):
+            return list(self)[i]
+        index = list(self.loads)[i]  # C-speed copy of the keys, no per-replica objects
+        return ReplicaView(index, self.loads[index])
 
 
 class Router(Protocol):
@@ -156,6 +189,8 @@ class LeastLoadedRouter:
         pass
 
     def choose(self, request: RouteRequest, candidates: Sequence[ReplicaView]) -> Decision:
+        if isinstance(candidates, CandidateLoads):
+            return Decision(_least_loaded(candidates.loads), Reason.FALLBACK)
         best = min(candidates, key=lambda c: (c.in_flight, c.index))
         return Decision(best.index, Reason.FALLBACK)
 

@@ -94,6 +94,14 @@ class HashRing:
         self, key: int, loads: Mapping[int, int], bound: int, max_probes: int
     ) -> RingChoice | None:
         """Bounded-load choice among ``loads`` (member -> in-flight); None if none on ring."""
+        owners = self._owners
+        if owners:
+            # Fast path (almost every lookup): the first point clockwise belongs to an
+            # eligible member under the bound. No generator, no set.
+            m = owners[bisect_right(self._points, key) % len(owners)]
+            load = loads.get(m)
+            if load is not None and load + 1 <= bound:
+                return RingChoice(m, False)
         first: int | None = None
         for probes, m in enumerate(self.walk(key, loads)):
             if first is None:

@@ -77,3 +77,20 @@ def test_session_key_has_no_tail() -> None:
     key = PromptKey(PromptKind.SESSION, (42,))
     idx.observe(key, 3)
     assert idx.lookup(key, 0) == 3
+
+
+def test_short_tails_are_anchored() -> None:
+    """A prompt ending 1-3 tokens past a block boundary is still found by its next turn."""
+    idx = make()
+    for tail in (1, 2, 3, 5):
+        turn1 = [100 * tail + i for i in range(16 + tail)]  # 2 whole blocks + a short tail
+        idx.observe(k(turn1), replica=tail)
+        assert idx.lookup(k([*turn1, 7, 8, 9, 10, 11, 12, 13]), 0) == tail
+        # same whole blocks, a different short tail: not a continuation of turn 1
+        assert idx.lookup(k([*turn1[:16], 999, 998, 997, 996, 995, 994]), 0) is None
+
+
+def test_keys_compare_by_value() -> None:
+    a, b = k(list(range(20))), k(list(range(20)))
+    assert a == b and hash(a) == hash(b) and a != k(list(range(21)))
+    assert "PromptKey(" in repr(a)

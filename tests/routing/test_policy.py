@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from gateway.routing.policy import (
     ROUTERS,
     CandidateLoads,
+    Decision,
     PrefixAffinityRouter,
     Reason,
     ReplicaView,
@@ -174,3 +175,10 @@ def test_template_blocks_never_decide_affinity(seed: int) -> None:
     d = r.choose(req(probe), views([0] * 8))
     assert d.reason is Reason.RING
     assert r.index.template_depth(d.key.hashes if d.key else ()) >= 10
+
+
+def test_decision_value_semantics() -> None:
+    assert Decision(1, Reason.RING) == Decision(1, Reason.RING, None, False)
+    assert Decision(1, Reason.RING) != Decision(1, Reason.RING, None, True)
+    assert len({Decision(2, Reason.SPILL), Decision(2, Reason.SPILL)}) == 1
+    assert "replica=2" in repr(Decision(2, Reason.SPILL))
