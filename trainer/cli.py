@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -64,10 +65,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"train: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    return run(cfg)
+
+
+def run(cfg: Any) -> int:
+    """Train, print the summary table, write ``<output_dir>/summary.json``; exit status."""
     from trainer.loop import render_summary, train
 
     result = train(cfg)
-    print(render_summary(result))
+    print(render_summary(result), flush=True)
     summary_path = Path(cfg.output_dir) / "summary.json"
     summary_path.write_text(json.dumps(result.as_dict(), indent=2, default=str) + "\n")
     bad = result.failed_groups > 0 or result.staleness_max > cfg.max_staleness

@@ -124,6 +124,8 @@ def train(
         log.warning("resumed from %s: step %d, version %d, prompt %d", ckpt,
                     state.global_step, state.model_version, state.prompt_index)  # fmt: skip
     metrics_path = Path(cfg.metrics_file) if cfg.metrics_file else out / "metrics.jsonl"
+    if ckpt is not None:
+        _truncate_history(metrics_path, state.global_step)
     jsonl = JsonlWriter(metrics_path, append=ckpt is not None)
 
     sync = AdapterSync(client, policy, out / ".vllm_lora", cfg.lora_name, S,
@@ -331,6 +333,18 @@ def train(
         plot_file=str(plotted) if plotted else None, server=server,
         leftovers_unloaded=leftovers,
     )  # fmt: skip
+
+
+def _truncate_history(path: Path, last_step: int) -> None:
+    """Keep the JSONL history up to the checkpoint: steps a killed run logged after its
+    last checkpoint are redone by the resumed run (TRL truncates its log history too)."""
+    if not path.exists():
+        return
+    import json
+
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]  # fmt: skip
+    path.write_text("".join(line + "\n" for line in keep))
 
 
 def _accumulate(sums: dict[str, float], st: LossStats, loss: float) -> None:

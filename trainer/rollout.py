@@ -21,7 +21,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import math
 import multiprocessing
 import pickle
 import queue
@@ -36,8 +35,9 @@ import aiohttp
 
 from trainer.grpo import group_advantages
 from trainer.metrics import MetricSink
+from trainer.scoring import ping, score_group
 
-__all__ = ["Admission", "Group", "RolloutWorker", "Sample", "build_payload", "score_group"]
+__all__ = ["Admission", "Group", "RolloutWorker", "Sample", "build_payload"]
 
 log = logging.getLogger("trainer.rollout")
 
@@ -95,41 +95,6 @@ def build_payload(
     if min_p is not None:
         payload["min_p"] = min_p
     return payload
-
-
-def score_group(
-    reward_funcs: Sequence[Callable[..., list[float | None]]],
-    completions: list[str],
-    prompts: list[Any],
-    completion_ids: list[list[int]],
-    columns: dict[str, list[Any]],
-) -> tuple[list[float], dict[str, float]]:
-    """Sum of the reward functions per sample (runs in the reward process).
-
-    As in TRL: ``None`` from a function is ignored for that sample; a sample no function
-    could score is NaN (its advantage becomes 0).
-    """
-    per_func: dict[str, float] = {}
-    columns_out: list[list[float]] = []
-    for func in reward_funcs:
-        vals = func(
-            completions=completions, prompts=prompts, completion_ids=completion_ids, **columns
-        )
-        col = [math.nan if v is None else float(v) for v in vals]
-        columns_out.append(col)
-        name = getattr(func, "__name__", type(func).__name__)
-        scored = [v for v in col if not math.isnan(v)]
-        per_func[f"rewards/{name}"] = sum(scored) / len(scored) if scored else math.nan
-    totals: list[float] = []
-    for i in range(len(completions)):
-        vals = [col[i] for col in columns_out if not math.isnan(col[i])]
-        totals.append(sum(vals) if vals else math.nan)
-    return totals, per_func
-
-
-def _ping() -> bool:
-    """Warms the reward process up (spawn + imports) before the first group needs it."""
-    return True
 
 
 class Admission:
@@ -266,7 +231,7 @@ class RolloutWorker:
         ctx = multiprocessing.get_context("spawn")
         self._pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx)
         # Fail fast (and pay the spawn cost now, not inside the first group).
-        self._pool.submit(_ping).result(timeout=120)
+        self._pool.submit(ping).result(timeout=120)
         ready = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(ready,), name="rollout-worker", daemon=True

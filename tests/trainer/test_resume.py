@@ -1,0 +1,78 @@
+"""Kill -9 a run mid-way, resume it: numbering continues, no adapter name collides."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.helpers import FAST, read_jsonl, run_in_process, start_trainer, wire_calls
+from trainer.metrics import parse_prometheus
+from trainer.stack import sim_gateway
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_kill_and_resume_continues_numbering(tmp_path: Path) -> None:
+    S, total = 1, 9
+    out = tmp_path / "run"
+    common = [*FAST, "--output-dir", str(out), "--max-staleness", str(S), "--save-steps", "3",
+              "--max-steps", str(total)]  # fmt: skip
+    with sim_gateway(2, S, tmp_path / "logs") as stack:
+        first = start_trainer([*common, "--gateway", stack.url], tmp_path / "run1.log")
+        deadline = time.monotonic() + 150
+        # kill -9 the whole run (driver + its reward process) once it is past checkpoint-3
+        while time.monotonic() < deadline:
+            rows = read_jsonl(out / "metrics.jsonl")
+            if (out / "checkpoint-3").is_dir() and rows and rows[-1]["step"] >= 4:
+                break
+            assert first.poll() is None, (tmp_path / "run1.log").read_text()[-3000:]
+            time.sleep(0.2)
+        else:
+            pytest.fail("run 1 never got past checkpoint-3")
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        killed_calls = wire_calls(out / "control-wire.jsonl")
+        killed_loads = [n for p, n in killed_calls if p == "/v1/load_lora_adapter"]
+        saved = json.loads((out / "checkpoint-3" / "rollout_state.json").read_text())
+        assert saved["model_version"] == 4  # v1 cold + 3 syncs
+        assert len(killed_loads) >= 5  # the killed run got ahead of its checkpoint
+
+        rc = run_in_process([*common, "--gateway", stack.url, "--resume-from-checkpoint", "latest"])
+        assert rc == 0
+        with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as r:
+            gw = parse_prometheus(r.read().decode())
+
+    calls = wire_calls(out / "control-wire.jsonl")[len(killed_calls) :]
+    summary = json.loads((out / "summary.json").read_text())
+    # 1. leftovers of the killed run are unloaded first, then numbering continues at v5
+    leftovers = summary["leftovers_unloaded"]
+    assert leftovers and set(leftovers) <= set(killed_loads)
+    k = len(leftovers)
+    assert calls[:k] == [("/v1/unload_lora_adapter", n) for n in leftovers]
+    loads = [n for p, n in calls if p == "/v1/load_lora_adapter"]
+    assert loads[0] == "trl-policy-v5"
+    assert loads == [f"trl-policy-v{v}" for v in range(5, 5 + len(loads))]
+    # 2. no collision: every reused name was unloaded before it was loaded again, and the
+    #    gateway never had to reload a name in place (every load a clean "ok")
+    reused = set(loads) & set(killed_loads)
+    for name in reused:
+        assert calls.index(("/v1/unload_lora_adapter", name)) < calls.index(
+            ("/v1/load_lora_adapter", name)
+        )
+    outcomes = {lab["outcome"]: v for lab, v in gw["gateway_adapter_loads_total"]}
+    assert set(outcomes) == {"ok"}
+    # 3. steps continue from the checkpoint; the prompt cursor moved on
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, total + 1))  # history truncated at 3
+    assert rows[3]["model_version"] == 6  # step 4 ran on resumed v5, then synced v6
+    assert summary["steps"] == total and summary["first_version"] == 5
+    assert summary["failed_groups"] == 0 and summary["staleness_max"] <= S
+    final = json.loads((out / f"checkpoint-{total}" / "rollout_state.json").read_text())
+    assert final["model_version"] == summary["last_version"]
+    assert final["prompt_index"] >= total * 2
