@@ -544,6 +544,8 @@ def summarize(
             s.update(
                 {
                     f"{kind}_offered_rps": med(col(name, kind, "offered_rps")),
+                    f"{kind}_offered_rps_min": min(col(name, kind, "offered_rps")),
+                    f"{kind}_offered_rps_max": max(col(name, kind, "offered_rps")),
                     f"{kind}_p50_ms": med(col(name, kind, "p50_ms")),
                     f"{kind}_p99_ms": med(col(name, kind, "p99_ms")),
                     f"{kind}_added_p50_ms": med(added(name, kind, "p50_ms")),
@@ -583,12 +585,14 @@ def summarize(
 
 
 def _rate_label(summary: dict[str, dict[str, float]], kind: str) -> str:
-    rates = sorted({s[f"{kind}_offered_rps"] for s in summary.values() if f"{kind}_p50_ms" in s})
-    if not rates:
+    rows = [s for s in summary.values() if f"{kind}_p50_ms" in s]
+    if not rows:
         return ""
-    if len(rates) == 1:
-        return f"{rates[0]:,.0f} req/s"
-    return f"{rates[0]:,.0f}-{rates[-1]:,.0f} req/s"  # the capacity rate varies per round
+    low = min(s.get(f"{kind}_offered_rps_min", s[f"{kind}_offered_rps"]) for s in rows)
+    high = max(s.get(f"{kind}_offered_rps_max", s[f"{kind}_offered_rps"]) for s in rows)
+    if low == high:
+        return f"{low:,.0f} req/s"
+    return f"{low:,.0f}-{high:,.0f} req/s"  # the capacity rate varies per round
 
 
 def render(report: dict[str, object]) -> str:
