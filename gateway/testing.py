@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from gateway.serving import listen_socket
 
 __all__ = ["serve_asgi"]
 
@@ -33,9 +34,7 @@ async def serve_asgi(
     app: ASGIApp, *, port: int = 0, startup_timeout: float = 10.0
 ) -> AsyncIterator[str]:
     """Serve ``app`` until the block exits; yields its base URL. Lifespan runs as usual."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
+    sock = listen_socket("127.0.0.1", port)
     bound = sock.getsockname()[1]
     config = uvicorn.Config(
         app, http="httptools", log_config=None, access_log=False, lifespan="on", ws="none"

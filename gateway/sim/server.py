@@ -13,6 +13,7 @@ import argparse
 
 import uvicorn
 
+from gateway.serving import listen_socket
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 from gateway.sim.latency import LatencyModel
@@ -80,16 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    uvicorn.run(
-        create_sim_app(config),
-        host=args.host,
-        port=args.port,
-        loop="uvloop",
-        http="httptools",
-        ws="none",
-        lifespan="off",
-        access_log=False,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,  # do not wait forever on requests hung by a fault
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_sim_app(config),
+            loop="uvloop",
+            http="httptools",
+            ws="none",
+            lifespan="off",
+            access_log=False,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,  # do not wait forever on requests hung by a fault
+        )
     )
+    server.run(sockets=[listen_socket(args.host, args.port)])
     return 0
