@@ -1,18 +1,25 @@
-"""The one-command demo: a TRL-shaped async GRPO run through the gateway, on sim replicas.
+"""The one-command demo: async LoRA GRPO through the gateway, learning on CPU.
 
-    make demo        (or: python -m gateway.demo [--replicas 2] [--steps 6])
+    make demo                         (python -m gateway.demo)
+    python -m gateway.demo --sim      (fast, torch-free: TRL-shaped traffic on sim replicas)
 
-What it does, exactly as TRL 1.16's AsyncGRPOTrainer would on the wire
-(``shared/reference/trl-wire.md``):
+Real mode (the default), on a fresh machine after ``make vllm``:
 
-1. starts N simulated vLLM replicas and the gateway on 127.0.0.1 (real sockets);
-2. checks ``/server_info`` says ``data_parallel_size == 1`` with a ``lora_config``;
-3. for each policy version: ``/pause?mode=keep``, ``/v1/load_lora_adapter`` (all or
-   nothing on every replica), ``/resume``, then unloads ``v(N - max_staleness - 1)``;
-4. between syncs, sends rollouts: P prompts x G=8 *separate* ``n=1`` token-id completion
-   requests that share a system prefix, 16 in flight, with TRL's exact payload;
-5. prints what the gateway did: group co-location, per-replica load, the replicas' own
-   prefix-cache hit rate, adapters listed everywhere, and routing decisions.
+1. builds the tiny local model (``.run/tiny-model``) if it is missing;
+2. starts 2 real vLLM replicas (one per core, ``--logprobs-mode processed_logprobs`` so
+   the returned logprobs are those of the temperature-scaled distribution the driver
+   trains on) and the gateway in front of them, ``max_staleness`` on both sides;
+3. runs the companion driver (``python -m trainer``, the vLLM venv's python) on the
+   learnable ``digits`` task for a few minutes: async LoRA GRPO with TRL 1.16's exact
+   wire protocol, adapters published through ``<out>/train/.vllm_lora``;
+4. prints the driver's summary (reward first/last 10 steps, staleness, drops, sync time,
+   the gateway's routing and adapter counters), writes the reward/staleness plot, and
+   shows what each replica holds: live adapter versions and prefix-cache hit rate;
+5. shuts everything down (only the processes it started, by process group).
+
+Sim mode is the previous demo: N sim replicas + the gateway in-process, a TRL-shaped
+workload (pause / load / resume / unload per version, G separate ``n=1`` requests per
+prompt), printing group co-location, per-replica load and adapters everywhere.
 """
 
 from __future__ import annotations
@@ -20,9 +27,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import os
 import random
+import signal
+import subprocess
 import sys
+import time
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -50,7 +63,7 @@ def rollout_payload(model: str, ids: list[int], rng: random.Random) -> dict[str,
     }  # fmt: skip
 
 
-async def run(replicas: int, steps: int, prompts_per_step: int, max_staleness: int) -> int:
+async def run_sim(replicas: int, steps: int, prompts_per_step: int, max_staleness: int) -> int:
     sim = SimConfig(max_loras=max_staleness + 2, latency=LatencyModel(prefill=2e-5, decode=5e-4))
     rng = random.Random(0)
     async with contextlib.AsyncExitStack() as stack:
@@ -130,14 +143,184 @@ async def run(replicas: int, steps: int, prompts_per_step: int, max_staleness: i
         return 0 if ok else 1
 
 
+# ---------------------------------------------------------------------------------------
+# Real mode: 2 vLLM replicas + gateway + the companion driver
+# ---------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _prefix_cache_rate(url: str) -> float | None:
+    from gateway.local.replicas import http_get
+
+    try:
+        status, body = http_get(url + "/metrics", timeout=10)
+    except OSError:
+        return None
+    if status != 200:
+        return None
+    hits = queries = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total"):
+            hits += float(line.split()[-1])
+        elif line.startswith("vllm:prefix_cache_queries_total"):
+            queries += float(line.split()[-1])
+    return hits / queries if queries else None
+
+
+def _live_adapters(url: str) -> list[str]:
+    from gateway.local.replicas import http_get
+
+    try:
+        status, body = http_get(url + "/v1/models", timeout=10)
+    except OSError:
+        return []
+    if status != 200:
+        return []
+    return [str(m["id"]) for m in json.loads(body)["data"][1:]]
+
+
+def start_gateway(
+    urls: list[str], max_staleness: int, log: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The gateway as a subprocess of this python (its own process group)."""
+    from gateway.local.replicas import free_ports, health
+
+    port = free_ports(1)[0]
+    cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port),
+           "--max-staleness", str(max_staleness), "--log-level", "WARNING"]  # fmt: skip
+    for u in urls:
+        cmd += ["--replica", u]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=str(REPO),
+                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while health(url) != 200:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc)
+            raise RuntimeError(f"gateway did not come up; see {log}")
+        time.sleep(0.2)
+    return proc, url
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
+    """SIGTERM the process group we started, then SIGKILL after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def run_trainer(python: Path, args: list[str], log: Path | None = None,
+                timeout: float = 3600.0) -> int:  # fmt: skip
+    """``python -m trainer ARGS`` with the repository on PYTHONPATH; output streamed."""
+    env = dict(os.environ, ROLLOUT_GATEWAY_TRAIN_NO_DELEGATE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("VIRTUAL_ENV", None)
+    extra = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + extra if extra else "")
+    out = open(log, "ab") if log else None  # noqa: SIM115
+    try:
+        proc = subprocess.Popen([str(python), "-m", "trainer", *args], cwd=str(REPO), env=env,
+                                stdout=out, stderr=subprocess.STDOUT if out else None,
+                                start_new_session=True)  # fmt: skip
+        try:
+            return proc.wait(timeout=timeout)
+        finally:
+            stop_process(proc)
+    finally:
+        if out:
+            out.close()
+
+
+def trainer_args(model_dir: Path, url: str, out: Path, *, steps: int, duration_s: float,
+                 max_staleness: int, seed: int) -> list[str]:  # fmt: skip
+    return [
+        "--gateway", url, "--model", str(model_dir), "--task", "digits",
+        "--output-dir", str(out), "--max-steps", str(steps), "--max-duration-s", str(duration_s),
+        "--max-staleness", str(max_staleness), "--seed", str(seed), "--save-steps", "20",
+    ]  # fmt: skip
+
+
+def run_real(*, replicas: int, steps: int, duration_s: float, max_staleness: int, seed: int,
+             out: Path) -> int:  # fmt: skip
+    from gateway.local.replicas import ReplicaError, free_ports, start_replicas, stop_replicas
+    from gateway.local.vllm_env import VllmNotInstalledError, check_vllm_python
+
+    t0 = time.monotonic()
+    try:
+        python = check_vllm_python(None)
+    except VllmNotInstalledError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
+    model_dir = REPO / ".run" / "tiny-model"
+    out = out.resolve()
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)  # a fresh run each time: numbering restarts at v1
+    out.mkdir(parents=True)
+    print(f"[demo] starting {replicas} vLLM replicas (cold start ~1 min) ...", flush=True)
+    try:
+        rs = start_replicas(
+            replicas, model_dir, ports=free_ports(replicas), max_staleness=max_staleness,
+            state_file=out / "replicas.json", vllm_python=python, timeout=600,
+            extra_args=["--logprobs-mode", "processed_logprobs"],
+        )  # fmt: skip
+    except (ReplicaError, OSError) as exc:
+        print(f"demo: replicas failed to start: {exc}", file=sys.stderr)
+        return 1
+    gw: subprocess.Popen[bytes] | None = None
+    try:
+        print(f"[demo] replicas up in {time.monotonic() - t0:.0f} s: {rs.urls}", flush=True)
+        gw, url = start_gateway(rs.urls, max_staleness, out / "gateway.log")
+        print(f"[demo] gateway {url}; driver: {steps} steps or {duration_s:.0f} s", flush=True)
+        train_dir = out / "train"
+        rc = run_trainer(python, trainer_args(model_dir, url, train_dir, steps=steps,
+                                              duration_s=duration_s, seed=seed,
+                                              max_staleness=max_staleness))  # fmt: skip
+        print()
+        for i, u in enumerate(rs.urls):
+            rate = _prefix_cache_rate(u)
+            shown = f"{rate:.3f}" if rate is not None else "n/a"
+            print(f"replica {i}: live adapters {_live_adapters(u)}, prefix-cache hit rate {shown}")
+        summary = json.loads((train_dir / "summary.json").read_text()) if rc in (0, 1) else {}
+        first, last = summary.get("reward_first10", 0.0), summary.get("reward_last10", 0.0)
+        ok = rc == 0 and last > first
+        print(f"plot: {summary.get('plot_file')}")
+        print(f"reward {first:.3f} -> {last:.3f} (first vs last 10 steps)")
+        print(f"demo {'OK' if ok else 'FAILED'} in {time.monotonic() - t0:.0f} s")
+        return 0 if ok else 1
+    finally:
+        if gw is not None:
+            stop_process(gw)
+        stop_replicas(rs)
+        print(f"[demo] shut down; total {time.monotonic() - t0:.0f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gateway.demo", description=__doc__.split("\n")[0])
+    p.add_argument("--sim", action="store_true", help="fast torch-free sim mode")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None, help="sim: versions; real: driver steps")
+    p.add_argument("--prompts-per-step", type=int, default=16, help="sim mode only")
+    p.add_argument("--duration-s", type=float, default=240.0, help="real: driver time cap")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=REPO / ".run" / "demo")
     args = p.parse_args(argv)
-    return asyncio.run(run(args.replicas, args.steps, args.prompts_per_step, args.max_staleness))
+    if args.sim:
+        steps = 6 if args.steps is None else args.steps
+        return asyncio.run(run_sim(args.replicas, steps, args.prompts_per_step, args.max_staleness))
+    return run_real(replicas=args.replicas, steps=args.steps or 60, duration_s=args.duration_s,
+                    max_staleness=args.max_staleness, seed=args.seed, out=args.out)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -153,6 +153,7 @@ def train(
     worker.start()
 
     done_indices: set[int] = set()
+    pending: list[Group] = []  # drained from the queue, not yet pulled (oldest first)
     staleness_sum = 0.0
     staleness_n = 0
     staleness_max = 0
@@ -187,7 +188,7 @@ def train(
             groups: list[Group] = []
             while len(groups) < P:
                 try:
-                    g = worker.queue.get(timeout=1.0)
+                    g = _next_oldest(worker.queue, pending)
                 except queue.Empty:
                     worker.check_health(cfg.heartbeat_stale_after_s)
                     for idx in worker.failed_indices():
@@ -202,10 +203,14 @@ def train(
                     sink.add("sample/dropped_stale_total", float(len(g.samples)))
                     advance_cursor(g.prompt_index)
                     continue
-                sink.update({"sample/staleness_mean": float(staleness),
-                             "sample/staleness_max": float(staleness),
-                             "sample/time_in_queue_s": time.time() - g.enqueued_at,
-                             "sample/rollout_queue_size": float(worker.queue.qsize())})  # fmt: skip
+                sink.update(
+                    {
+                        "sample/staleness_mean": float(staleness),
+                        "sample/staleness_max": float(staleness),
+                        "sample/time_in_queue_s": time.time() - g.enqueued_at,
+                        "sample/rollout_queue_size": float(worker.queue.qsize() + len(pending)),
+                    }
+                )
                 staleness_sum += staleness * len(g.samples)
                 staleness_n += len(g.samples)
                 staleness_max = max(staleness_max, staleness)
@@ -333,6 +338,24 @@ def train(
         plot_file=str(plotted) if plotted else None, server=server,
         leftovers_unloaded=leftovers,
     )  # fmt: skip
+
+
+def _next_oldest(q: queue.Queue[Group], pending: list[Group]) -> Group:
+    """The oldest-version group available, waiting up to 1 s for one.
+
+    Groups finish out of order (replicas and batches differ in speed); taking the oldest
+    first is what the admission bound assumes, so fewer groups age past the bound while
+    younger ones are trained ahead of them.
+    """
+    while True:
+        try:
+            pending.append(q.get_nowait())
+        except queue.Empty:
+            break
+    if not pending:
+        pending.append(q.get(timeout=1.0))
+    best = min(range(len(pending)), key=lambda i: (pending[i].version, pending[i].group_id))
+    return pending.pop(best)
 
 
 def _truncate_history(path: Path, last_step: int) -> None:
