@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,8 @@ from gateway import __version__
 from gateway.adapters.manager import AdapterManager
 from gateway.adapters.naming import NamePattern
 from gateway.adapters.state import AdapterPolicy
-from gateway.config import Settings
+from gateway.config import ReplicaSpec, Settings
+from gateway.discovery import Discovery, diff_membership
 from gateway.errors import GatewayError, UpstreamUnavailable, error_body
 from gateway.metrics import Metrics
 from gateway.relay import ClientDisconnected
@@ -128,10 +130,12 @@ class Gateway:
             return False
         return result.status == 200
 
-    async def health_round(self, *, sync_adapters: bool = True) -> None:
+    async def health_round(
+        self, *, sync_adapters: bool = True, only: Sequence[int] | None = None
+    ) -> None:
         """Probe every replica, apply ejections/admissions, then let the adapter manager
         reconcile newly healthy replicas (they get adapter traffic only once it has)."""
-        indices = range(len(self.pool))
+        indices = self.pool.indices() if only is None else list(only)
         outcomes = await asyncio.gather(*(self.probe(i) for i in indices))
         for index, ok in zip(indices, outcomes, strict=True):
             change = self.pool.record_probe(index, ok)
@@ -153,6 +157,38 @@ class Gateway:
                 await self.health_round()
             except Exception:  # the loop must outlive any one bad round
                 log.exception("health round failed")
+
+    # --- membership (discovery) -----------------------------------------------------
+
+    async def apply_membership(self, desired: Sequence[ReplicaSpec]) -> None:
+        """Discovery's callback: change the members, then probe the new ones at once."""
+        added = self.change_members(desired)
+        if added:
+            await self.health_round(only=added)
+
+    def change_members(self, desired: Sequence[ReplicaSpec]) -> list[int]:
+        """Make the pool's members ``desired``; returns the indices added.
+
+        Removed replicas leave the pool, the ring and the adapter registry (requests in
+        flight to them finish). Added ones join DOWN: they get traffic once a probe admits
+        them, and adapter traffic only after the adapter manager reconciled them.
+        """
+        change = diff_membership(self.pool.membership(), desired)
+        for index in change.removed:
+            log.info("replica %d (%s) removed by discovery", index, self.pool[index].display)
+            self.pool.remove(index)
+            self.adapters.remove_replica(index)
+            self.forget_cache(index)
+        added = []
+        for spec in change.added:
+            token = spec.token or self.settings.upstream_token
+            index = self.pool.add(spec, token.get_secret_value() if token else None)
+            self.adapters.add_replica(index)
+            added.append(index)
+            log.info("replica %d (%s) added by discovery", index, self.pool[index].display)
+        if change and isinstance(self.router, PrefixAffinityRouter):
+            self.router.set_members(self.pool.indices())
+        return added
 
     # --- introspection ---------------------------------------------------------------
 
@@ -194,7 +230,7 @@ def build_gateway(settings: Settings) -> Gateway:
     upstream = Upstream(pool, lambda: make_session(settings))
     adapters = AdapterManager(
         upstream,
-        range(len(pool)),
+        pool.indices(),
         policy=adapter_policy(settings),
         call_timeout_s=settings.broadcast_timeout_s,
         adapter_roots=[Path(p) for p in settings.adapter_roots],
@@ -206,7 +242,7 @@ def build_gateway(settings: Settings) -> Gateway:
     if isinstance(router, PrefixAffinityRouter):
         # The ring spans every configured replica; unhealthy ones are skipped at lookup,
         # so a flapping replica never reshuffles everyone else's keys.
-        router.set_members(range(len(pool)))
+        router.set_members(pool.indices())
         metrics.watch_router(router)
     return Gateway(
         settings=settings,
@@ -241,17 +277,29 @@ def create_app(settings: Settings) -> FastPath:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # Adopt what the replicas already hold *before* any reconciliation, so a
         # restarted gateway never unloads adapters it simply did not know about yet.
+        discovery = Discovery(settings, gateway.apply_membership)
+        if discovery.dynamic:
+            # Members first, so the rebuild below adopts what every replica holds.
+            gateway.change_members(await discovery.desired())
         await gateway.health_round(sync_adapters=False)
         await gateway.adapters.rebuild()
         tasks = [
             asyncio.create_task(gateway.health_loop(), name="gateway-health"),
             asyncio.create_task(gateway.adapters.run_ticks(), name="gateway-adapter-ticks"),
         ]
+        hup = False
+        if discovery.dynamic:
+            tasks.append(asyncio.create_task(discovery.run(), name="gateway-discovery"))
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, discovery.wake)
+                hup = True
         log.info("gateway up: %d replicas, %d healthy, router %s", len(gateway.pool),
                  len(gateway.pool.healthy_indices()), gateway.router.name)  # fmt: skip
         try:
             yield
         finally:
+            if hup:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             for task in tasks:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

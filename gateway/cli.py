@@ -12,6 +12,7 @@ the YAML ``--config`` file (flags win, then env, then file). Secrets also come f
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from collections.abc import Callable, Sequence
 from importlib import import_module
@@ -54,6 +55,27 @@ def _serve_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="URL",
         help="upstream vLLM base URL, e.g. http://127.0.0.1:8101 (repeat per replica)",
+    )
+    add(
+        "--discovery-dns",
+        metavar="NAME:PORT",
+        help="discover replicas from a DNS name's A/AAAA records (e.g. a headless Service)",
+    )
+    add(
+        "--discovery-nameserver",
+        metavar="HOST:PORT",
+        help="query this DNS server instead of the system resolver",
+    )
+    add(
+        "--replicas-file",
+        metavar="FILE",
+        help="discover replicas from FILE (YAML list or one URL per line); reloaded on "
+        "change or SIGHUP",
+    )
+    add(
+        "--discovery-interval-s",
+        type=float,
+        help="re-resolve / re-check period for discovery (default 5)",
     )
     add("--host", help="address to listen on (default 127.0.0.1)")
     add("--port", type=int, help="port to listen on (default 8000)")
@@ -112,8 +134,12 @@ def serve(argv: Sequence[str]) -> int:
     except (ValueError, OSError) as exc:
         print(f"rollout-gateway serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    if not settings.replicas:
-        print("rollout-gateway serve: at least one --replica is required", file=sys.stderr)
+    if not (settings.replicas or settings.discovery_dns or settings.replicas_file):
+        print(
+            "rollout-gateway serve: give at least one --replica, --discovery-dns or "
+            "--replicas-file",
+            file=sys.stderr,
+        )
         return 2
     configure_logging(settings.log_format, settings.log_level)
     config = uvicorn.Config(

@@ -74,6 +74,20 @@ class Settings(BaseSettings):
     replicas: Annotated[list[ReplicaSpec], NoDecode] = Field(
         default_factory=list, description="Upstream vLLM base URLs (repeat --replica)."
     )
+    discovery_dns: str | None = Field(
+        None,
+        description="[scheme://]name:port of a DNS name (e.g. a Kubernetes headless Service) "
+        "whose A/AAAA records are replicas; re-resolved every discovery_interval_s.",
+    )
+    discovery_nameserver: str | None = Field(
+        None, description="host:port of a DNS server to query instead of the system resolver."
+    )
+    replicas_file: Path | None = Field(
+        None, description="File listing replicas; re-read on change or SIGHUP."
+    )
+    discovery_interval_s: float = Field(
+        5.0, gt=0, description="How often DNS is re-resolved and the replicas file checked."
+    )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     upstream_token: SecretStr | None = Field(

@@ -12,6 +12,7 @@ Call sites (see docs/adapters.md, "Wiring"):
 * lifespan startup                  -> ``await manager.rebuild()``
 * every health round                -> ``await manager.sync_replicas(pool.healthy_indices())``
   (or ``replica_down(i)`` / ``await reconcile(i)`` on transitions)
+* discovery membership changes      -> ``add_replica(i)`` / ``remove_replica(i)``
 * background                        -> ``await manager.run_ticks()`` as a task
 * shutdown                          -> ``await manager.aclose()``
 
@@ -375,6 +376,17 @@ class AdapterManager:
     def replica_down(self, replica: int) -> None:
         if self.core.replica_state(replica) is not ReplicaState.DOWN:
             self.executor.submit(self.core.replica_lost(replica, self._clock()))
+
+    def add_replica(self, replica: int) -> None:
+        """A replica joined (discovery): it gets adapter traffic only once reconciled."""
+        if replica not in self._indices:
+            self._indices = sorted({*self._indices, replica})
+        self.core.add_replica(replica)
+
+    def remove_replica(self, replica: int) -> None:
+        """A replica left (discovery): in-flight loads stop waiting for it."""
+        self._indices = [r for r in self._indices if r != replica]
+        self.executor.submit(self.core.remove_replica(replica, self._clock()))
 
     async def sync_replicas(self, healthy: Collection[int]) -> None:
         """One call per health round: forget unhealthy replicas, reconcile the others."""

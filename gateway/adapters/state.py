@@ -524,6 +524,18 @@ class AdapterRegistry:
         """Unloads that became due (drained, or grace timeout passed)."""
         return self._due(now)
 
+    def add_replica(self, replica: int) -> None:
+        """A replica joined the pool (discovery): DOWN until observed and admitted."""
+        self._replicas.setdefault(replica, _Replica())
+
+    def remove_replica(self, replica: int, now: float) -> list[Action]:
+        """A replica left the pool for good: forget it like a lost one, then drop it."""
+        if replica not in self._replicas:
+            return []
+        actions = self.replica_lost(replica, now)
+        del self._replicas[replica]
+        return actions
+
     def replica_lost(self, replica: int, now: float) -> list[Action]:
         """The replica is unhealthy or unreachable: forget what it holds."""
         rep = self._replicas.setdefault(replica, _Replica())

@@ -16,6 +16,9 @@ import pytest
 from tests.deploy._proc import REPO, base_env, free_port, process, sim_replica, wait_http
 from tests.deploy.tools import tool
 
+# The first test to need promtool/hadolint/... may install them (ensure_tools.sh).
+pytestmark = pytest.mark.timeout(600)
+
 DOCKERFILE = REPO / "Dockerfile"
 
 

@@ -1,0 +1,404 @@
+"""Replica discovery: the pure parts (specs, DNS wire format against dnslib, diff, replicas
+file), the pool's stable indices, minimal ring movement, and end to end: an in-process DNS
+server on 127.0.0.1 whose records change during a run, sim replicas on 127.0.0.2/.3, and a
+watched replicas file (change and SIGHUP)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from gateway.app import Gateway, create_app
+from gateway.config import ReplicaSpec, load_settings
+from gateway.discovery import (
+    QTYPE_A,
+    QTYPE_AAAA,
+    DnsError,
+    DnsTarget,
+    build_query,
+    diff_membership,
+    parse_dns_target,
+    parse_replicas_file,
+    parse_response,
+    urls_for,
+)
+from gateway.replicas import ReplicaPool
+from gateway.routing.policy import PrefixAffinityRouter
+from gateway.sim.app import create_sim_app
+from gateway.testing import serve_asgi
+from tests.deploy.tools import ensure_tools
+
+# The first test to need promtool/hadolint/... may install them (ensure_tools.sh).
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def dnslib() -> Any:
+    ensure_tools()
+    import dnslib
+    import dnslib.server
+
+    return dnslib
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_parse_dns_target() -> None:
+    assert parse_dns_target("vllm.ns.svc.cluster.local:8000") == DnsTarget(
+        "http", "vllm.ns.svc.cluster.local", 8000
+    )
+    assert parse_dns_target("https://vllm:8443/") == DnsTarget("https", "vllm", 8443)
+    for bad in ("vllm", "vllm:", "vllm:0", "ftp://vllm:80", ":80"):
+        with pytest.raises(ValueError):
+            parse_dns_target(bad)
+
+
+def test_urls_for_sorts_dedups_and_brackets_v6() -> None:
+    t = DnsTarget("http", "x", 8000)
+    assert urls_for(t, ["10.0.0.2", "10.0.0.1", "10.0.0.2", "fd00::1"]) == [
+        "http://10.0.0.1:8000",
+        "http://10.0.0.2:8000",
+        "http://[fd00::1]:8000",
+    ]
+
+
+def test_dns_wire_format_against_dnslib(dnslib: Any) -> None:
+    query = dnslib.DNSRecord.parse(build_query("vllm.test", QTYPE_AAAA, 4242))
+    assert query.header.id == 4242 and query.header.rd == 1
+    assert str(query.q.qname) == "vllm.test." and query.q.qtype == QTYPE_AAAA
+    assert query.ar and query.ar[0].rtype == dnslib.QTYPE.OPT  # EDNS0: big UDP answers
+
+    def answer(qtype: int, *records: Any, rcode: int = 0, tc: bool = False, qid: int = 7) -> bytes:
+        q = dnslib.DNSRecord.parse(build_query("vllm.test", qtype, qid))
+        reply = q.reply()
+        reply.header.rcode = rcode
+        reply.header.tc = int(tc)
+        for rr in records:
+            reply.add_answer(rr)
+        data: bytes = reply.pack()
+        return data
+
+    name = "vllm.test."
+    cname = dnslib.RR(name, dnslib.QTYPE.CNAME, rdata=dnslib.CNAME("pods.test."))
+    a1 = dnslib.RR("pods.test.", dnslib.QTYPE.A, rdata=dnslib.A("10.1.0.5"), ttl=5)
+    a2 = dnslib.RR("pods.test.", dnslib.QTYPE.A, rdata=dnslib.A("10.1.0.6"), ttl=5)
+    v6 = dnslib.RR(name, dnslib.QTYPE.AAAA, rdata=dnslib.AAAA("fd00::7"), ttl=5)
+    assert parse_response(answer(QTYPE_A, cname, a1, a2), 7, QTYPE_A) == ["10.1.0.5", "10.1.0.6"]
+    assert parse_response(answer(QTYPE_AAAA, v6), 7, QTYPE_AAAA) == ["fd00::7"]
+    assert parse_response(answer(QTYPE_AAAA), 7, QTYPE_AAAA) == []  # NODATA
+    for data, qid in [
+        (answer(QTYPE_A, rcode=3), 7),  # NXDOMAIN
+        (answer(QTYPE_A, rcode=2), 7),  # SERVFAIL
+        (answer(QTYPE_A, a1, tc=True), 7),  # truncated
+        (answer(QTYPE_A, a1), 8),  # someone else's answer
+        (answer(QTYPE_A, a1)[:-3], 7),  # cut short
+        (b"\x00" * 5, 7),
+    ]:
+        with pytest.raises(DnsError):
+            parse_response(data, qid, QTYPE_A)
+
+
+def test_parse_replicas_file(tmp_path: Path) -> None:
+    assert parse_replicas_file("") == []
+    assert parse_replicas_file("# nothing\n\n") == []
+    lines = "http://10.0.0.1:8000  # a\n\nhttp://10.0.0.2:8000/\n"
+    assert [s.url for s in parse_replicas_file(lines)] == [
+        "http://10.0.0.1:8000",
+        "http://10.0.0.2:8000",
+    ]
+    token = tmp_path / "tok"
+    token.write_text("hf_secret\n")
+    specs = parse_replicas_file(
+        f"- http://10.0.0.1:8000\n- {{url: 'http://10.0.0.2:8000', token_file: '{token}'}}\n"
+    )
+    assert specs[1].token is not None and specs[1].token.get_secret_value() == "hf_secret"
+    assert [s.url for s in parse_replicas_file('["http://a:1", "http://b:2"]')] == [
+        "http://a:1",
+        "http://b:2",
+    ]
+    for bad in ("not a url\n", "- {url: 'http://a:1', bogus: 1}\n", "[1, 2"):
+        with pytest.raises(ValueError):
+            parse_replicas_file(bad)
+
+
+def test_diff_membership() -> None:
+    cur = {"http://a:1": 0, "http://b:1": 1}
+    specs = [ReplicaSpec(url=u) for u in ("http://b:1", "http://c:1", "http://c:1")]
+    change = diff_membership(cur, specs)
+    assert [s.url for s in change.added] == ["http://c:1"] and change.removed == (0,)
+    assert not diff_membership(cur, [ReplicaSpec(url="http://a:1"), ReplicaSpec(url="http://b:1")])
+
+
+# ----------------------------------------------------------- pool and ring
+
+
+def test_pool_indices_are_stable_and_never_reused() -> None:
+    settings = load_settings({"replicas": ["http://s:1"]}, environ={})
+    pool = ReplicaPool.from_settings(settings)
+    a = pool.add(ReplicaSpec(url="http://a:1"), None)
+    b = pool.add(ReplicaSpec(url="http://b:1"), "tok")
+    assert (a, b) == (1, 2) and pool.indices() == [0, 1, 2]
+    assert pool[b].auth_header == "Bearer tok"
+    assert pool.add(ReplicaSpec(url="http://a:1"), None) == a  # already a member
+    pool.admit(a)
+    pool.acquire(a)
+    pool.remove(a)
+    assert pool.indices() == [0, 2] and len(pool) == 2 and a not in pool.healthy_indices()
+    assert pool.record_probe(a, True) is None and not pool[a].up  # ignored once removed
+    pool.release(a)  # in flight to a removed replica still releases
+    assert pool[a].in_flight == 0
+    c = pool.add(ReplicaSpec(url="http://c:1"), None)
+    assert c == 3  # a's index stays reserved for a
+    assert pool.add(ReplicaSpec(url="http://a:1"), None) == a  # same address, same index
+    assert not pool[a].up and pool.indices() == [0, 1, 2, 3]
+    assert pool.membership() == {"http://s:1": 0, "http://a:1": 1, "http://b:1": 2, "http://c:1": 3}
+
+
+def test_ring_moves_minimally_on_join_and_leave() -> None:
+    router = PrefixAffinityRouter()
+    keys = [int.from_bytes(os.urandom(8), "little") for _ in range(4000)]
+
+    def owners() -> list[int | None]:
+        return [router.ring.preferred(k) for k in keys]
+
+    router.set_members([0, 1, 2, 3])
+    before = owners()
+    router.set_members([0, 1, 2, 3, 4])  # join
+    joined = owners()
+    moved = [(b, j) for b, j in zip(before, joined, strict=True) if b != j]
+    assert all(j == 4 for _, j in moved)  # only keys now owned by the newcomer move
+    assert 0.10 < len(moved) / len(keys) < 0.30  # ~1/5
+    router.set_members([0, 1, 3, 4])  # leave
+    left = owners()
+    moved = [(j, x) for j, x in zip(joined, left, strict=True) if j != x]
+    assert all(j == 2 for j, _ in moved)  # only the leaver's keys move
+
+
+# ------------------------------------------------------------ end to end
+
+
+class Zone:
+    """A tiny authoritative zone served by dnslib on 127.0.0.1; records mutable at run time."""
+
+    def __init__(self, dnslib: Any) -> None:
+        self.dnslib = dnslib
+        self.records: dict[str, list[str]] = {}
+        self.queries = 0
+        zone = self
+
+        class Resolver(dnslib.server.BaseResolver):  # type: ignore[misc]
+            def resolve(self, request: Any, handler: Any) -> Any:
+                zone.queries += 1
+                reply = request.reply()
+                name = str(request.q.qname).rstrip(".")
+                if name not in zone.records:
+                    reply.header.rcode = dnslib.RCODE.NXDOMAIN
+                    return reply
+                for addr in zone.records[name]:
+                    v6 = ":" in addr
+                    qtype = dnslib.QTYPE.AAAA if v6 else dnslib.QTYPE.A
+                    if request.q.qtype == qtype:
+                        rdata = dnslib.AAAA(addr) if v6 else dnslib.A(addr)
+                        reply.add_answer(dnslib.RR(request.q.qname, qtype, rdata=rdata, ttl=1))
+                return reply
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = dnslib.server.DNSServer(
+            Resolver(), address="127.0.0.1", port=self.port, logger=_QuietLogger()
+        )
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Zone]:
+        self.server.start_thread()
+        try:
+            yield self
+        finally:
+            self.server.stop()
+            self.server.server.server_close()
+
+
+class _QuietLogger:
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *a, **k: None
+
+
+@contextlib.asynccontextmanager
+async def sim_at(host: str, port: int) -> AsyncIterator[Any]:
+    """A sim replica on host:port (same port on several loopback addresses)."""
+    app = create_sim_app()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, ws="none")
+    server = uvicorn.Server(config)
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        yield app.state.sim
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        sock.close()
+
+
+def _free_port_on(*hosts: str) -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((hosts[0], 0))
+            port = int(s.getsockname()[1])
+        try:
+            for h in hosts[1:]:
+                with socket.socket() as t:
+                    t.bind((h, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no common free port")
+
+
+async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def _members(gw: Gateway) -> dict[int, str]:
+    return {r.index: r.display for r in gw.pool.replicas}
+
+
+def _synced(gw: Gateway, index: int) -> bool:
+    return any(r["index"] == index and r["state"] == "up" for r in gw.adapters.status()["replicas"])
+
+
+async def test_dns_discovery_follows_records_and_moves_traffic(dnslib: Any) -> None:
+    port = _free_port_on("127.0.0.2", "127.0.0.3")
+    zone = Zone(dnslib)
+    zone.records["vllm.test"] = ["127.0.0.2"]
+    with zone.running():
+        async with sim_at("127.0.0.2", port) as sim_a, sim_at("127.0.0.3", port) as sim_b:
+            settings = load_settings(
+                {
+                    "discovery_dns": f"vllm.test:{port}",
+                    "discovery_nameserver": f"127.0.0.1:{zone.port}",
+                    "discovery_interval_s": 0.1,
+                    "health_interval_s": 0.2,
+                    "max_staleness": 1,
+                },
+                environ={},
+            )
+            app = create_app(settings)
+            gw: Gateway = app.state.gateway
+            async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as c:
+                a = f"http://127.0.0.2:{port}"
+                b = f"http://127.0.0.3:{port}"
+                assert _members(gw) == {0: a}
+                assert (await c.get("/health")).status_code == 200
+                load = {"lora_name": "policy-v1", "lora_path": "/adapters/policy-v1"}
+                assert (await c.post("/v1/load_lora_adapter", json=load)).status_code == 200
+                assert "policy-v1" in sim_a.adapters and "policy-v1" not in sim_b.adapters
+
+                # Rollouts on the adapter keep flowing while a record is added: each one
+                # must succeed, so none reaches the newcomer before it holds the adapter.
+                served: dict[str, int] = {}
+                stop = asyncio.Event()
+
+                async def rollouts() -> None:
+                    i = 0
+                    while not stop.is_set():
+                        i += 1
+                        body = {"model": "policy-v1", "prompt": f"q{i} " * 30, "max_tokens": 2}
+                        r = await c.post("/v1/completions", json=body)
+                        assert r.status_code == 200, r.text
+                        who = r.headers["x-gateway-replica"]
+                        served[who] = served.get(who, 0) + 1
+
+                traffic = asyncio.create_task(rollouts())
+                await asyncio.sleep(0.2)
+                zone.records["vllm.test"] = ["127.0.0.2", "127.0.0.3"]
+                await _until(lambda: _members(gw) == {0: a, 1: b}, "the pool to add b")
+                await _until(lambda: gw.pool[1].up and _synced(gw, 1), "b admitted and synced")
+                assert "policy-v1" in sim_b.adapters  # reconciled: the live adapter replayed
+                await _until(lambda: served.get("1", 0) >= 5, "traffic on the new replica")
+                stop.set()
+                await traffic
+                assert gw.router.ring.members == frozenset({0, 1})  # type: ignore[attr-defined]
+
+                # Remove a's record: a leaves the pool; everything goes to b.
+                zone.records["vllm.test"] = ["127.0.0.3"]
+                await _until(lambda: _members(gw) == {1: b}, "the pool to drop a")
+                assert gw.router.ring.members == frozenset({1})  # type: ignore[attr-defined]
+                for i in range(6):
+                    body = {"model": "policy-v1", "prompt": f"after {i}", "max_tokens": 2}
+                    r = await c.post("/v1/completions", json=body)
+                    assert r.status_code == 200 and r.headers["x-gateway-replica"] == "1"
+                metrics = (await c.get("/metrics")).text
+                assert 'gateway_replica_healthy{replica="1"} 1.0' in metrics
+                assert 'gateway_replica_healthy{replica="0"}' not in metrics
+
+                # A failed lookup keeps the last answer; a's address back -> its old index.
+                zone.records.pop("vllm.test")
+                seen = zone.queries
+                await _until(lambda: zone.queries > seen + 4, "more lookups")
+                assert _members(gw) == {1: b}
+                zone.records["vllm.test"] = ["127.0.0.3", "127.0.0.2"]
+                await _until(lambda: _members(gw) == {0: a, 1: b}, "a back under index 0")
+                await _until(lambda: gw.pool[0].up and _synced(gw, 0), "a re-admitted")
+                assert (await c.get("/health")).status_code == 200
+
+
+async def test_replicas_file_reload_on_change_and_on_sighup(tmp_path: Path) -> None:
+    port = _free_port_on("127.0.0.2", "127.0.0.3")
+    listing = tmp_path / "replicas.txt"
+    a, b = f"http://127.0.0.2:{port}", f"http://127.0.0.3:{port}"
+    async with sim_at("127.0.0.2", port), sim_at("127.0.0.3", port):
+        # Polling: a change is picked up within an interval.
+        listing.write_text(f"{a}\n")
+        settings = load_settings(
+            {"replicas_file": str(listing), "discovery_interval_s": 0.1, "health_interval_s": 0.2},
+            environ={},
+        )
+        app = create_app(settings)
+        gw: Gateway = app.state.gateway
+        async with serve_asgi(app):
+            assert _members(gw) == {0: a}
+            listing.write_text(f"# two now\n{a}\n{b}\n")
+            await _until(lambda: _members(gw) == {0: a, 1: b}, "file change picked up")
+            await _until(lambda: gw.pool[1].up, "b admitted")
+            listing.unlink()  # an unreadable file keeps the last list
+            await asyncio.sleep(0.4)
+            assert _members(gw) == {0: a, 1: b}
+
+        # SIGHUP: re-read at once, long before the next interval.
+        listing.write_text(f"{a}\n")
+        settings = load_settings(
+            {"replicas_file": str(listing), "discovery_interval_s": 3600}, environ={}
+        )
+        app = create_app(settings)
+        gw = app.state.gateway
+        async with serve_asgi(app):
+            listing.write_text(f"{b}\n")
+            await asyncio.sleep(0.3)
+            assert _members(gw) == {0: a}  # no poll for an hour
+            os.kill(os.getpid(), signal.SIGHUP)
+            await _until(lambda: _members(gw) == {1: b}, "SIGHUP reload")
+            await _until(lambda: gw.pool[1].up, "b admitted")
