@@ -12,7 +12,6 @@ the YAML ``--config`` file (flags win, then env, then file). Secrets also come f
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from collections.abc import Callable, Sequence
 from importlib import import_module
