@@ -240,12 +240,25 @@ def run_trainer(python: Path, args: list[str], log: Path | None = None,
             out.close()
 
 
+def ensure_plot(metrics: Path, png: Path, max_staleness: int) -> str | None:
+    """Draw the reward/staleness PNG here when the driver's python had no matplotlib
+    (this venv has it through the ``[bench]`` extra)."""
+    from trainer.report import plot_curves, read_jsonl
+
+    if not metrics.exists():
+        return None
+    title = "digits: async LoRA GRPO, 2 vLLM replicas behind the gateway"
+    out = plot_curves(read_jsonl(metrics), png, title=title, max_staleness=max_staleness)
+    return str(out) if out else None
+
+
 def trainer_args(model_dir: Path, url: str, out: Path, *, steps: int, duration_s: float,
                  max_staleness: int, seed: int) -> list[str]:  # fmt: skip
     return [
         "--gateway", url, "--model", str(model_dir), "--task", "digits",
         "--output-dir", str(out), "--max-steps", str(steps), "--max-duration-s", str(duration_s),
         "--max-staleness", str(max_staleness), "--seed", str(seed), "--save-steps", "20",
+        "--learning-rate", "1e-2", "--epsilon-high", "0.28",
     ]  # fmt: skip
 
 
@@ -292,6 +305,9 @@ def run_real(*, replicas: int, steps: int, duration_s: float, max_staleness: int
             shown = f"{rate:.3f}" if rate is not None else "n/a"
             print(f"replica {i}: live adapters {_live_adapters(u)}, prefix-cache hit rate {shown}")
         summary = json.loads((train_dir / "summary.json").read_text()) if rc in (0, 1) else {}
+        if summary and not summary.get("plot_file"):
+            summary["plot_file"] = ensure_plot(train_dir / "metrics.jsonl",
+                                               train_dir / "curves.png", max_staleness)  # fmt: skip
         first, last = summary.get("reward_first10", 0.0), summary.get("reward_last10", 0.0)
         ok = rc == 0 and last > first
         print(f"plot: {summary.get('plot_file')}")
@@ -309,17 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gateway.demo", description=__doc__.split("\n")[0])
     p.add_argument("--sim", action="store_true", help="fast torch-free sim mode")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--steps", type=int, default=None, help="sim: versions; real: driver steps")
     p.add_argument("--prompts-per-step", type=int, default=16, help="sim mode only")
-    p.add_argument("--duration-s", type=float, default=240.0, help="real: driver time cap")
+    p.add_argument("--duration-s", type=float, default=300.0, help="real: driver time cap")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / ".run" / "demo")
     args = p.parse_args(argv)
     if args.sim:
         steps = 6 if args.steps is None else args.steps
         return asyncio.run(run_sim(args.replicas, steps, args.prompts_per_step, args.max_staleness))
-    return run_real(replicas=args.replicas, steps=args.steps or 60, duration_s=args.duration_s,
+    return run_real(replicas=args.replicas, steps=args.steps or 80, duration_s=args.duration_s,
                     max_staleness=args.max_staleness, seed=args.seed, out=args.out)  # fmt: skip
 
 

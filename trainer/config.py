@@ -49,11 +49,15 @@ class TrainConfig:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     # --- optimization (TRL names)
-    learning_rate: float = field(default=5e-3, metadata={"help": "AdamW LR on the LoRA params"})
+    learning_rate: float = field(
+        default=1e-2, metadata={"help": "AdamW LR on the LoRA params (tiny-model value)"}
+    )
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     epsilon: float = field(default=0.2, metadata={"help": "lower clip ε"})
-    epsilon_high: float | None = field(default=None, metadata={"help": "upper clip ε (DAPO 0.28)"})
+    epsilon_high: float | None = field(
+        default=0.28, metadata={"help": "upper clip ε (DAPO's clip-higher; TRL: = epsilon)"}
+    )
     beta: float = field(
         default=0.0, metadata={"help": "KL-to-reference coefficient (reference = adapter off)"}
     )
@@ -73,7 +77,7 @@ class TrainConfig:
     )
     # --- async pipeline (TRL names)
     max_staleness: int = field(
-        default=2, metadata={"help": "max policy versions a trained sample may lag"}
+        default=1, metadata={"help": "max policy versions a trained sample may lag (TRL: 4)"}
     )
     max_inflight_tasks: int = field(
         default=-1, metadata={"help": "concurrent requests; -1 = max_staleness * batch size"}
