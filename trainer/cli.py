@@ -35,7 +35,8 @@ def _delegate(argv: Sequence[str]) -> int | None:
     if os.environ.get(NO_DELEGATE_ENV):
         return None
     python = _find_python()
-    if python is None or python.resolve() == Path(sys.executable).resolve():
+    # Compare environments, not interpreters: two venvs usually share one base binary.
+    if python is None or python.absolute().parent.parent.resolve() == Path(sys.prefix).resolve():
         return None
     env = dict(os.environ, **{NO_DELEGATE_ENV: "1"})
     env.pop("VIRTUAL_ENV", None)

@@ -26,10 +26,6 @@ class TrainConfig:
         default=".run/tiny-model",
         metadata={"help": "model directory (HF format); its tokenizer is used too"},
     )
-    served_model_name: str | None = field(
-        default=None,
-        metadata={"help": "base model name on the server (default: first /v1/models entry)"},
-    )
     task: str = field(default="digits", metadata={"help": "digits | arith (driver)"})
     output_dir: str = field(default=".run/train", metadata={"help": "checkpoints, adapters, logs"})
     seed: int = field(default=0, metadata={"help": "seeds torch, sampling seeds and prompts"})

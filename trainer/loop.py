@@ -15,6 +15,7 @@ Order of a run (TRL 1.16's ``on_train_begin`` then its step loop):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -188,7 +189,7 @@ def train(
             groups: list[Group] = []
             while len(groups) < P:
                 try:
-                    g = _next_oldest(worker.queue, pending)
+                    g = _next_oldest(worker.queue, pending, admission, sync.version - S)
                 except queue.Empty:
                     worker.check_health(cfg.heartbeat_stale_after_s)
                     for idx in worker.failed_indices():
@@ -340,20 +341,40 @@ def train(
     )  # fmt: skip
 
 
-def _next_oldest(q: queue.Queue[Group], pending: list[Group]) -> Group:
+def _next_oldest(
+    q: queue.Queue[Group],
+    pending: list[Group],
+    admission: Admission,
+    at_risk: int,
+    max_wait_s: float = 5.0,
+) -> Group:
     """The oldest-version group available, waiting up to 1 s for one.
 
-    Groups finish out of order (replicas and batches differ in speed); taking the oldest
-    first is what the admission bound assumes, so fewer groups age past the bound while
-    younger ones are trained ahead of them.
+    Groups finish out of order (replicas and batches differ in speed). Taking the oldest
+    first, and waiting (up to ``max_wait_s``) for groups tagged ``<= at_risk`` that are
+    still generating before training a younger one, is the in-order consumption the
+    admission bound assumes: those groups would otherwise age past the bound and be
+    dropped after the next sync.
     """
+    deadline = time.monotonic() + max_wait_s
     while True:
-        try:
-            pending.append(q.get_nowait())
-        except queue.Empty:
+        while True:
+            try:
+                pending.append(q.get_nowait())
+            except queue.Empty:
+                break
+        if not pending:
+            pending.append(q.get(timeout=1.0))
+            continue
+        oldest = min(g.version for g in pending)
+        if (
+            oldest <= at_risk
+            or time.monotonic() >= deadline
+            or not admission.generating_at_or_below(min(oldest - 1, at_risk))
+        ):
             break
-    if not pending:
-        pending.append(q.get(timeout=1.0))
+        with contextlib.suppress(queue.Empty):
+            pending.append(q.get(timeout=0.05))
     best = min(range(len(pending)), key=lambda i: (pending[i].version, pending[i].group_id))
     return pending.pop(best)
 

@@ -117,6 +117,7 @@ class Admission:
         self.groups_in_step = 0
         self.started = 0
         self.retired = 0  # pulled by the learner (trained or dropped) or failed
+        self._generating: dict[int, int] = {}  # version -> groups started, not yet queued
 
     def budget(self) -> int:
         with self._lock:
@@ -135,7 +136,23 @@ class Admission:
             if self.started - self.retired + 1 > budget:
                 return None
             self.started += 1
+            self._generating[self.version] = self._generating.get(self.version, 0) + 1
             return self.version
+
+    def generated(self, version: int) -> None:
+        """A group of ``version`` left generation (queued, or failed)."""
+        with self._lock:
+            left = self._generating.get(version, 0) - 1
+            if left > 0:
+                self._generating[version] = left
+            else:
+                self._generating.pop(version, None)
+
+    def generating_at_or_below(self, version: int) -> int:
+        """Groups tagged ``<= version`` still generating: the learner waits for these
+        before it trains younger ones, so they are not pushed past the bound."""
+        with self._lock:
+            return sum(n for v, n in self._generating.items() if v <= version)
 
     def retire(self, pulled: bool = True) -> None:
         with self._lock:
@@ -316,23 +333,49 @@ class RolloutWorker:
         group_id: int,
         version: int,
     ) -> None:
-        t0 = time.monotonic()
         try:
-            prompt_ids = self._prompt_ids(row["prompt"])
-            model = f"{self.lora_name}-v{version}"
-            outs = await asyncio.gather(
-                *[self._generate(session, sem, model, prompt_ids) for _ in range(self.G)]
-            )
+            group = await self._produce(session, sem, row, group_id, version)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # retries exhausted, or a reward function raised
             self.failed_groups += 1
             with self._failed_lock:
                 self._failed_idx.append(int(row.get("index", group_id)))
+            self.admission.generated(version)
             self.admission.retire(pulled=False)
             self.metrics.add("rollout/failed_total", 1.0)
-            log.warning("group %d failed after retries: %s", group_id, exc)
+            log.warning("group %d failed: %s", group_id, exc)
             return
+        t_blocked: float | None = None
+        assert self._stop is not None
+        while not self._stop.is_set():
+            try:
+                group.enqueued_at = time.time()
+                self.queue.put_nowait(group)
+                break
+            except queue.Full:
+                if t_blocked is None:
+                    t_blocked = time.monotonic()
+                await self._sleep(0.05)
+        self.admission.generated(version)
+        if t_blocked is not None:
+            self.metrics.add("rollout/backpressure_s", time.monotonic() - t_blocked)
+
+    async def _produce(
+        self,
+        session: aiohttp.ClientSession,
+        sem: asyncio.Semaphore,
+        row: dict[str, Any],
+        group_id: int,
+        version: int,
+    ) -> Group:
+        """Generate the G samples of one prompt, score them, normalize advantages."""
+        t0 = time.monotonic()
+        prompt_ids = self._prompt_ids(row["prompt"])
+        model = f"{self.lora_name}-v{version}"
+        outs = await asyncio.gather(
+            *[self._generate(session, sem, model, prompt_ids) for _ in range(self.G)]
+        )
         completion_ids = [o[0] for o in outs]
         completions = [
             self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids
@@ -377,19 +420,7 @@ class RolloutWorker:
                 "rollout/inflight": float(self.admission.outstanding()),
             }
         )
-        t_blocked: float | None = None
-        assert self._stop is not None
-        while not self._stop.is_set():
-            try:
-                group.enqueued_at = time.time()
-                self.queue.put_nowait(group)
-                break
-            except queue.Full:
-                if t_blocked is None:
-                    t_blocked = time.monotonic()
-                await self._sleep(0.05)
-        if t_blocked is not None:
-            self.metrics.add("rollout/backpressure_s", time.monotonic() - t_blocked)
+        return group
 
     async def _generate(
         self,

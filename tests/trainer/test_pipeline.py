@@ -148,3 +148,44 @@ def test_config_file_and_flags(tmp_path: Path) -> None:
         parse_config(["--config", str(tmp_path / "bad.json")])
     with pytest.raises(ValueError):
         TrainConfig(per_device_train_batch_size=10, num_generations=8)
+
+
+def test_admission_tracks_groups_still_generating() -> None:
+    adm = Admission(prompts_per_step=2, sync_steps=1, max_staleness=1)
+    adm.set_version(3)
+    assert adm.try_start() == 3 and adm.try_start() == 3
+    adm.set_version(4)
+    assert adm.try_start() == 4
+    assert adm.generating_at_or_below(3) == 2 and adm.generating_at_or_below(4) == 3
+    adm.generated(3)
+    adm.generated(4)
+    assert adm.generating_at_or_below(3) == 1 and adm.generating_at_or_below(9) == 1
+
+
+def test_learner_waits_for_older_groups_before_younger_ones() -> None:
+    import queue
+    import threading
+    import time
+
+    from trainer.loop import _next_oldest
+    from trainer.rollout import Group
+
+    adm = Admission(prompts_per_step=1, sync_steps=1, max_staleness=1)
+    adm.set_version(1)
+    assert adm.try_start() == 1  # group 0 (v1) is generating, slowly
+    adm.set_version(2)
+    assert adm.try_start() == 2  # group 1 (v2) finishes first
+    q: queue.Queue[Group] = queue.Queue()
+    q.put(Group(1, 1, 2, [], 0.0, 0.0))
+    adm.generated(2)
+
+    def finish_old() -> None:
+        time.sleep(0.3)
+        q.put(Group(0, 0, 1, [], 0.0, 0.0))
+        adm.generated(1)
+
+    threading.Thread(target=finish_old).start()
+    pending: list[Group] = []
+    # learner at v2 with S=1: v1 groups are at risk, so it waits for group 0
+    assert _next_oldest(q, pending, adm, at_risk=1).group_id == 0
+    assert _next_oldest(q, pending, adm, at_risk=1).group_id == 1
