@@ -402,3 +402,18 @@ async def test_replicas_file_reload_on_change_and_on_sighup(tmp_path: Path) -> N
             os.kill(os.getpid(), signal.SIGHUP)
             await _until(lambda: _members(gw) == {1: b}, "SIGHUP reload")
             await _until(lambda: gw.pool[1].up, "b admitted")
+
+
+async def test_system_resolver_path_resolves_localhost() -> None:
+    """Without discovery_nameserver, getaddrinfo is used (search domains, /etc/hosts)."""
+    from gateway.discovery import Discovery
+
+    async def ignore(_: list[ReplicaSpec]) -> None:
+        return None
+
+    settings = load_settings({"discovery_dns": "localhost:8000"}, environ={})
+    discovery = Discovery(settings, ignore)
+    urls = await discovery.resolve(parse_dns_target("localhost:8000"))
+    assert urls and set(urls) <= {"http://127.0.0.1:8000", "http://[::1]:8000"}
+    with pytest.raises(DnsError):
+        await discovery.resolve(parse_dns_target("no-such-host.invalid:8000"))
