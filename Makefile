@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_PY := $(CURDIR)/.venv-vllm/bin/python
 
-.PHONY: help venv vllm lint test test-fast demo bench clean
+.PHONY: help venv vllm tools lint test test-fast demo bench clean
 
 help:
 	@echo "make test   - install everything (gateway venv + vLLM venv) and run lint + all tests"
@@ -29,12 +29,15 @@ lint: venv
 	$(BIN)/ruff format --check gateway tests bench
 	$(BIN)/mypy
 
-test-fast: venv
+tools: venv
+	bash tests/deploy/ensure_tools.sh $(BIN)/python
+
+test-fast: venv tools
 	$(BIN)/python -m pytest -m "not e2e" -q
 
 # Three pytest runs: the fast layer, then each real-vLLM layer on its own, so that no more
 # than two vLLM replicas share the 2 cores at any time.
-test: venv vllm lint
+test: venv vllm tools lint
 	$(BIN)/python -m pytest -m "not e2e" -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/local -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/e2e -q

@@ -12,6 +12,7 @@ the YAML ``--config`` file (flags win, then env, then file). Secrets also come f
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from collections.abc import Callable, Sequence
 from importlib import import_module
@@ -125,6 +126,7 @@ def serve(argv: Sequence[str]) -> int:
     from gateway.app import create_app
     from gateway.config import load_settings
     from gateway.logs import configure_logging
+    from gateway.serving import listen_socket
 
     args: dict[str, Any] = vars(_serve_parser().parse_args(argv))
     config_file = args.pop("config", None)
@@ -141,10 +143,15 @@ def serve(argv: Sequence[str]) -> int:
         )
         return 2
     configure_logging(settings.log_format, settings.log_level)
+    app = create_app(settings)
+    # Fewer, cheaper collections on the hot path: take everything built so far out of the
+    # GC's reach and collect the young generation less often (per-request garbage is
+    # short-lived and mostly freed by reference counting).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 20, 20)
     config = uvicorn.Config(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
+        app,
         loop="uvloop",
         http="httptools",
         access_log=False,
@@ -153,7 +160,7 @@ def serve(argv: Sequence[str]) -> int:
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
     server = _draining_server(config)
-    server.run()
+    server.run(sockets=[listen_socket(settings.host, settings.port)])
     return 0 if server.started else 3
 
 

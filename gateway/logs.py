@@ -2,17 +2,30 @@
 
 Configured once by the CLI (never in a constructor). Records never carry secrets: the
 gateway logs replicas by index and ``host:port`` only, and never logs headers or bodies.
+
+Request ids: ``routes`` sets ``REQUEST_ID`` (a context variable, so it is private to the
+request's task) when it assigns a request its ``X-Request-Id``; every record logged while
+serving that request carries it as ``request_id``.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from contextvars import ContextVar
 from typing import Literal
 
 import orjson
 
-__all__ = ["JsonFormatter", "configure_logging"]
+__all__ = ["REQUEST_ID", "JsonFormatter", "TextFormatter", "configure_logging"]
+
+REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
+
+
+class _RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -23,17 +36,28 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        request_id = getattr(record, "request_id", None)
+        if request_id:
+            data["request_id"] = request_id
         if record.exc_info:
             data["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(data).decode()
 
 
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        request_id = getattr(record, "request_id", None)
+        return f"{text} [request_id={request_id}]" if request_id else text
+
+
 def configure_logging(fmt: Literal["text", "json"] = "text", level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(_RequestIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -48,6 +48,7 @@ from gateway.errors import (
     Unauthorized,
     UpstreamUnavailable,
 )
+from gateway.logs import REQUEST_ID
 from gateway.metrics import CONTENT_TYPE, RouteKind
 from gateway.relay import BodyResponse, ClientDisconnected, RelayResponse, cancel_on_disconnect
 from gateway.routing.policy import CandidateLoads, RouteRequest
@@ -211,10 +212,12 @@ def _check_generation(path: str, payload: Mapping[str, Any]) -> None:
 
 
 def request_id_for(request: Request) -> str:
+    """The client's ``X-Request-Id`` if it is sane, else a new one; also tags the logs."""
     given = header(request, b"x-request-id")
-    if given and _REQUEST_ID.match(given):
-        return given.decode("ascii")
-    return os.urandom(12).hex()
+    request_id = given.decode("ascii") if given and _REQUEST_ID.match(given) else None
+    request_id = request_id or os.urandom(12).hex()
+    REQUEST_ID.set(request_id)
+    return request_id
 
 
 def _session_key(request: Request, payload: Mapping[str, Any]) -> str | None:
