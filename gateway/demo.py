@@ -17,6 +17,10 @@ Real mode (the default), on a fresh machine after ``make vllm``:
    shows what each replica holds: live adapter versions and prefix-cache hit rate;
 5. shuts everything down (only the processes it started, by process group).
 
+Measured here (2 cores, venvs installed): 3 min 38 s end to end, reward 0.011 -> 0.554
+(first vs last 10 of 80 steps), staleness <= 1, 0 samples dropped, both replicas holding
+the two live versions, vLLM prefix-cache hit rate 0.82.
+
 Sim mode is the previous demo: N sim replicas + the gateway in-process, a TRL-shaped
 workload (pause / load / resume / unload per version, G separate ``n=1`` requests per
 prompt), printing group co-location, per-replica load and adapters everywhere.

@@ -416,7 +416,7 @@ def render_summary(result: RunResult) -> str:
         ("weight sync s (p50 / max)", f"{sync[len(sync) // 2]:.3f} / {sync[-1]:.3f}"),
         ("wall time s", result.wall_s),
         ("metrics", result.metrics_file),
-        ("plot", result.plot_file or "(matplotlib missing)"),
+        ("plot", result.plot_file or "(no matplotlib in this python)"),
     ]
     if result.leftovers_unloaded:
         rows.append(("leftover adapters unloaded", ", ".join(result.leftovers_unloaded)))
