@@ -9,7 +9,7 @@ VLLM_PY := $(CURDIR)/.venv-vllm/bin/python
 
 help:
 	@echo "make test   - install everything (gateway venv + vLLM venv) and run lint + all tests"
-	@echo "make demo   - run the end-to-end demo"
+	@echo "make demo   - async LoRA GRPO through the gateway on 2 real vLLM replicas (~4 min)"
 	@echo "make test-fast - unit + integration tests only (no real vLLM)"
 	@echo "make bench  - run the benchmarks in bench/ and refresh bench/results/"
 
@@ -25,8 +25,8 @@ vllm: venv
 	bash scripts/install-vllm.sh
 
 lint: venv
-	$(BIN)/ruff check gateway tests bench
-	$(BIN)/ruff format --check gateway tests bench
+	$(BIN)/ruff check gateway trainer tests bench
+	$(BIN)/ruff format --check gateway trainer tests bench
 	$(BIN)/mypy
 
 tools: venv
@@ -41,8 +41,9 @@ test: venv vllm tools lint
 	$(BIN)/python -m pytest -m "not e2e" -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/local -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/e2e -q
+	PYTHONPATH=$(CURDIR) $(VLLM_PY) -m pytest tests/trainer -q -p no:cacheprovider
 
-demo: venv
+demo: venv vllm
 	$(BIN)/python -m gateway.demo
 
 bench: venv

@@ -4,6 +4,7 @@
     sim-replica       run one simulated vLLM replica (no GPU needed)
     make-tiny-model   build the tiny local Qwen2 model + LoRA adapters (needs the [vllm] venv)
     replicas          start/stop/inspect local replicas (real vLLM or --sim)
+    train             the companion async LoRA GRPO driver (runs in the [vllm] venv)
 
 Every ``serve`` flag also reads ``GATEWAY_<NAME>`` from the environment and ``<name>`` from
 the YAML ``--config`` file (flags win, then env, then file). Secrets also come from files.
@@ -28,6 +29,7 @@ _DELEGATED: dict[str, tuple[str, str]] = {
     "sim-replica": ("gateway.sim.server", "run a simulated vLLM replica"),
     "make-tiny-model": ("gateway.local.tiny_model", "build the tiny local model and adapters"),
     "replicas": ("gateway.local.replicas", "start/stop/inspect local vLLM (or sim) replicas"),
+    "train": ("trainer.cli", "run the companion async LoRA GRPO driver (docs/trainer.md)"),
 }
 
 _SERVE_EPILOG = """\

@@ -25,6 +25,11 @@ REQUIREMENTS=(
   "safetensors==0.8.0"
   # TRL's own client code drives the gateway in tests/e2e/test_trl_client.py.
   "trl==1.16.0"
+  # The trainer's tests and plots run with this interpreter (tests/trainer).
+  "pytest==9.2.0"
+  "pytest-asyncio==1.5.0"
+  "pytest-timeout==2.4.0"
+  "matplotlib==3.11.2"
 )
 # Packages that arrive as CUDA builds and break `from transformers import ...`.
 REMOVE=(torchvision torchaudio torchcodec)
