@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import orjson
 from starlette.applications import Starlette
 from starlette.datastructures import State
@@ -262,12 +263,9 @@ async def dispatch(
             continue
         gw.pool.acquire(index)
         gw.metrics.record_routed(index)
+        exchange = _exchange(gw, index, request.method, path, query, headers, body)
         try:
-            upstream = await cancel_on_disconnect(
-                request.receive,
-                gw.upstream.send(index, request.method, path, query=query, headers=headers,
-                                 body=body),
-            )  # fmt: skip
+            upstream, content = await cancel_on_disconnect(request.receive, exchange)
         except ReplicaConnectError as exc:
             _release(gw, pick, index)
             gw.on_connect_failure(index, exc.kind)
@@ -280,7 +278,7 @@ async def dispatch(
 
     out_headers = response_headers(upstream.raw_headers, index, request_id)
     status = upstream.status
-    if upstream.content_length is None or upstream.content_type == "text/event-stream":
+    if content is None:
 
         def on_close(completed: bool) -> None:
             _release(gw, pick, index)
@@ -289,17 +287,29 @@ async def dispatch(
             gw.metrics.record_request(kind, status, time.perf_counter() - started)
 
         return RelayResponse(upstream, out_headers, on_close)
-    # A sized, non-SSE body: read it whole and answer with one write and a Content-Length.
-    done = False
-    try:
-        with map_errors(index, sending=False):
-            content = await cancel_on_disconnect(request.receive, upstream.read())
-        done = True
-    finally:
-        upstream.release() if done else upstream.close()
-        _release(gw, pick, index)
+    _release(gw, pick, index)
     gw.metrics.record_request(kind, status, time.perf_counter() - started)
     return BodyResponse(status, out_headers, content)
+
+
+async def _exchange(
+    gw: Gateway, index: int, method: str, path: str, query: str,
+    headers: list[tuple[str, str]], body: bytes,
+) -> tuple[aiohttp.ClientResponse, bytes | None]:  # fmt: skip
+    """Send, and read the body too unless it is a stream (SSE, or no Content-Length): a
+    sized body is answered with one write. One disconnect guard covers both steps."""
+    upstream = await gw.upstream.send(index, method, path, query=query, headers=headers,
+                                      body=body)  # fmt: skip
+    if upstream.content_length is None or upstream.content_type == "text/event-stream":
+        return upstream, None
+    try:
+        with map_errors(index, sending=False):
+            content = await upstream.read()
+    except BaseException:
+        upstream.close()  # mid-body failure or client gone: abort, never reuse
+        raise
+    upstream.release()
+    return upstream, content
 
 
 def _release(gw: Gateway, pick: Pick, index: int) -> None:
