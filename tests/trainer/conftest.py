@@ -29,3 +29,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "tests/trainer" in str(item.path):
             for spec in _IGNORED:
                 item.add_marker(pytest.mark.filterwarnings(spec))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tiny_model() -> None:
+    """The driver loads ``.run/tiny-model`` (tests/trainer/helpers.py): build it on a fresh
+    clone, where nothing has made it yet (about 5 s, deterministic)."""
+    from pathlib import Path
+
+    from gateway.local.tiny_model import build
+
+    model = Path(__file__).resolve().parents[2] / ".run" / "tiny-model"
+    if not (model / "tiny-model.json").exists():
+        build(model, force=model.exists())
