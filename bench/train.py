@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="gateway,direct")
     p.add_argument("--work", type=Path, default=REPO / ".run" / "bench-train")
+    p.add_argument("--tag", default="", help="suffix of the result files, e.g. -seed1")
     args = p.parse_args(argv)
+    name = f"train{args.tag}"
     python = check_vllm_python(None)
     model_dir = REPO / ".run" / "tiny-model"
     shutil.rmtree(args.work, ignore_errors=True)
@@ -75,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             summary["run_s"] = round(time.monotonic() - t, 1)
             results[mode] = summary
             RESULTS.mkdir(parents=True, exist_ok=True)
-            shutil.copy(out / "metrics.jsonl", RESULTS / f"train-{mode}.jsonl")
-            png = RESULTS / f"train-{mode}.png"
+            shutil.copy(out / "metrics.jsonl", RESULTS / f"{name}-{mode}.jsonl")
+            png = RESULTS / f"{name}-{mode}.png"
             if (out / "curves.png").exists():
                 shutil.copy(out / "curves.png", png)
             else:  # the driver's python had no matplotlib: draw it here
@@ -87,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode}: reward {first:.3f} -> {last:.3f} in {summary['run_s']} s", flush=True)
     finally:
         stop_replicas(rs)
-    (RESULTS / "train.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    (RESULTS / "train.md").write_text(render(results, args))
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (RESULTS / f"{name}.md").write_text(render(results, args))
     return 0 if all(r.get("rc") == 0 for r in results.values()) else 1
 
 
