@@ -20,33 +20,41 @@ def load_trace() -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in TRACE.read_bytes().splitlines() if line.strip()]
 
 
+def request_args(call: dict[str, Any]) -> dict[str, Any]:
+    """One recorded call as ``httpx`` request arguments (headers TRL really sends)."""
+    return {
+        "method": call["method"],
+        "url": call["path"],
+        "params": call["query"] or None,
+        "content": orjson.dumps(call["body"]) if call["body"] is not None else None,
+        "headers": {k: v for k, v in call["headers"].items() if k.lower() in _KEEP},
+    }
+
+
+def check_response(call: dict[str, Any], r: httpx.Response) -> None:
+    """What TRL itself relies on in the answer to ``call``."""
+    where = f"{call['method']} {call['path']} {call['body']}"
+    assert r.status_code == 200, f"{where}: {r.status_code} {r.text}"
+    if call["path"] == "/v1/completions":
+        assert r.headers["content-type"].startswith("application/json")
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"]
+        assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
+    if call["path"] == "/server_info":
+        cfg = r.json()["vllm_config"]
+        assert cfg["lora_config"] is not None
+        assert cfg["parallel_config"]["data_parallel_size"] == 1
+    if call["path"] == "/v1/models":
+        assert r.json()["data"][0]["max_model_len"] > 0
+
+
 async def test_trace_replay_succeeds_and_broadcasts() -> None:
     trace = load_trace()
     assert len(trace) >= 20
     async with cluster(2) as c, httpx.AsyncClient(base_url=c.url) as client:
         for call in trace:
-            headers = {k: v for k, v in call["headers"].items() if k.lower() in _KEEP}
-            body = orjson.dumps(call["body"]) if call["body"] is not None else None
-            r = await client.request(
-                call["method"],
-                call["path"],
-                params=call["query"] or None,
-                content=body,
-                headers=headers,
-            )
-            where = f"{call['method']} {call['path']}"
-            assert r.status_code == 200, f"{where}: {r.status_code} {r.text}"
-            if call["path"] == "/v1/completions":
-                assert r.headers["content-type"].startswith("application/json")
-                choice = r.json()["choices"][0]
-                assert choice["token_ids"]
-                assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
-            if call["path"] == "/server_info":
-                cfg = r.json()["vllm_config"]
-                assert cfg["lora_config"] is not None
-                assert cfg["parallel_config"]["data_parallel_size"] == 1
-            if call["path"] == "/v1/models":
-                assert r.json()["data"][0]["max_model_len"] > 0
+            r = await client.request(**request_args(call))
+            check_response(call, r)
 
         loads = [x["body"]["lora_name"] for x in trace if x["path"] == "/v1/load_lora_adapter"]
         unloads = [x["body"]["lora_name"] for x in trace if x["path"] == "/v1/unload_lora_adapter"]

@@ -30,12 +30,12 @@ from tests.e2e.conftest import (
     vllm_counter,
     wait_for,
 )
+from tests.test_trl_trace import check_response, request_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "trl-1.16-lora-sync-wire-trace.jsonl"
 PROBE = Path(__file__).with_name("trl_probe.py")
-_KEEP = {"user-agent", "accept", "content-type"}
 
 
 def _sse_events(text: str) -> list[dict[str, Any]]:
@@ -277,28 +277,12 @@ def test_trl_wire_trace_replays_on_real_vllm(vllm_gw: E2E) -> None:
     loaded: dict[str, str] = {}
     with httpx.Client(base_url=env.url, timeout=120) as c:
         for call in calls:
-            headers = {k: v for k, v in call["headers"].items() if k.lower() in _KEEP}
-            body = orjson.dumps(call["body"]) if call["body"] is not None else None
-            r = c.request(call["method"], call["path"], params=call["query"] or None,
-                          content=body, headers=headers)  # fmt: skip
-            where = f"{call['method']} {call['path']} {call['body']}"
-            assert r.status_code == 200, f"{where}: {r.status_code} {r.text}"
+            check_response(call, c.request(**request_args(call)))
             if call["path"] == "/v1/load_lora_adapter":
                 name, path = call["body"]["lora_name"], call["body"]["lora_path"]
                 loaded[name] = path
                 for url in env.urls:  # visible on BOTH replicas when the load returns
                     assert replica_adapters(url).get(name) == path, f"{name} missing on {url}"
-            if call["path"] == "/v1/completions":
-                assert r.headers["content-type"].startswith("application/json")
-                ch = r.json()["choices"][0]
-                assert ch["token_ids"]
-                assert len(ch["logprobs"]["token_logprobs"]) == len(ch["token_ids"])
-            if call["path"] == "/server_info":
-                cfg = r.json()["vllm_config"]
-                assert cfg["lora_config"] is not None
-                assert cfg["parallel_config"]["data_parallel_size"] == 1
-            if call["path"] == "/v1/models":
-                assert r.json()["data"][0]["max_model_len"] > 0
     # The window of the trace (its unloads are v(N-3)) is what both replicas hold.
     newest = sorted(loaded, key=lambda n: int(n.rsplit("-v", 1)[1]))[-3:]
     want = {n: loaded[n] for n in newest}
