@@ -49,6 +49,7 @@ from gateway.local.replicas import (  # noqa: E402
     start_replicas,
     stop_replicas,
 )
+from trainer.payload import build_payload  # noqa: E402
 
 PROMPTS = 32
 G = 8
@@ -73,19 +74,7 @@ def workload(seed: int = 0) -> list[list[int]]:
 
 def payload(prompt: list[int], model: str, seed: int) -> dict[str, Any]:
     """TRL's per-sample body (reference/trl-wire.md)."""
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": -1,
-        "repetition_penalty": 1.0,
-        "n": 1,
-        "return_token_ids": True,
-        "logprobs": 0,
-        "seed": seed,
-    }
+    return build_payload(model, prompt, max_tokens=MAX_TOKENS, seed=seed)
 
 
 def counters(url: str) -> dict[str, float]:

@@ -40,7 +40,6 @@ import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -50,6 +49,7 @@ from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 from gateway.sim.latency import LatencyModel
 from gateway.testing import serve_asgi
+from trainer.payload import build_payload
 
 GROUP = 8
 SYSTEM = [random.Random(7).randrange(4, 2000) for _ in range(120)]
@@ -57,14 +57,6 @@ SYSTEM = [random.Random(7).randrange(4, 2000) for _ in range(120)]
 
 def prompt(rng: random.Random) -> list[int]:
     return SYSTEM + [rng.randrange(4, 2000) for _ in range(rng.randrange(40, 200))]
-
-
-def rollout_payload(model: str, ids: list[int], rng: random.Random) -> dict[str, Any]:
-    return {  # TRL 1.16 _generate_one_turn, key for key
-        "model": model, "prompt": ids, "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
-        "top_k": 0, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True,
-        "logprobs": 0, "seed": rng.getrandbits(63),
-    }  # fmt: skip
 
 
 async def run_sim(replicas: int, steps: int, prompts_per_step: int, max_staleness: int) -> int:
@@ -93,7 +85,10 @@ async def run_sim(replicas: int, steps: int, prompts_per_step: int, max_stalenes
         async def one(model: str, group: int, ids: list[int]) -> None:
             nonlocal failures
             async with sem:
-                r = await client.post("/v1/completions", json=rollout_payload(model, ids, rng))
+                r = await client.post(
+                    "/v1/completions",
+                    json=build_payload(model, ids, max_tokens=16, seed=rng.getrandbits(63)),
+                )
             if r.status_code != 200:
                 failures += 1
                 return

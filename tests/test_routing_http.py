@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from tests.cluster import Cluster, cluster
+from trainer.payload import build_payload
 
 MODEL = "tiny-base"
 G = 8
@@ -24,20 +25,8 @@ N = 4
 
 
 def trl_payload(prompt: list[int], rng: random.Random) -> dict[str, Any]:
-    """Exactly the fields TRL 1.x's vLLM client sends per sample."""
-    return {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": 8,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": -1,
-        "repetition_penalty": 1.0,
-        "n": 1,
-        "return_token_ids": True,
-        "logprobs": 0,
-        "seed": rng.getrandbits(63),
-    }
+    """Exactly the fields TRL 1.16's rollout worker sends per sample."""
+    return build_payload(MODEL, prompt, max_tokens=8, seed=rng.getrandbits(63))
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:

@@ -35,6 +35,7 @@ import aiohttp
 
 from trainer.grpo import group_advantages
 from trainer.metrics import MetricSink
+from trainer.payload import build_payload
 from trainer.scoring import ping, score_group
 
 __all__ = ["Admission", "Group", "RolloutWorker", "Sample", "build_payload"]
@@ -64,37 +65,6 @@ class Group:
     reward_std: float
     rewards_by_func: dict[str, float] = field(default_factory=dict)
     enqueued_at: float = 0.0
-
-
-def build_payload(
-    model: str,
-    prompt_ids: list[int],
-    *,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    repetition_penalty: float,
-    seed: int,
-    min_p: float | None = None,
-) -> dict[str, Any]:
-    """TRL 1.16 ``_generate_one_turn``'s body, key for key and in the same order."""
-    payload: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt_ids,
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "repetition_penalty": repetition_penalty,
-        "n": 1,
-        "return_token_ids": True,
-        "logprobs": 0,
-        "seed": seed,
-    }
-    if min_p is not None:
-        payload["min_p"] = min_p
-    return payload
 
 
 class Admission:

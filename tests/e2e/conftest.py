@@ -46,6 +46,7 @@ from gateway.local import replicas as R
 from gateway.local.vllm_env import VllmNotInstalledError, check_vllm_python, find_vllm_python
 from gateway.routes import FastPath
 from gateway.testing import serve_asgi
+from trainer.payload import build_payload
 
 T = TypeVar("T")
 
@@ -420,20 +421,8 @@ def vllm_counter(url: str, name: str) -> float:
 
 
 def trl_rollout_payload(model: str, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
-    """TRL 1.16's rollout request body (trl-wire.md), byte for byte in shape."""
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": 0,
-        "repetition_penalty": 1.0,
-        "n": 1,
-        "return_token_ids": True,
-        "logprobs": 0,
-        "seed": random.getrandbits(63),
-    }
+    """TRL 1.16's rollout request body (trl-wire.md), with a fresh random seed."""
+    return build_payload(model, prompt, max_tokens=max_tokens, seed=random.getrandbits(63))
 
 
 def random_prompt(n: int, rng: random.Random | None = None) -> list[int]:
