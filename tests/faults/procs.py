@@ -474,10 +474,11 @@ async def fleet(
     f = Fleet(sims, gateway, client, control, capture, health_interval_s)
     ok = False
     try:
-        for sim in sims:
-            sim.start()
+        # All at once: the gateway's start-up overlaps the sims'; it admits each replica
+        # on the first good probe, and /health is 200 once every one is in.
+        for proc in [*sims, gateway]:
+            proc.start()
         await asyncio.gather(*(f.wait_sim_up(i) for i in range(n)))
-        gateway.start()
         await _wait_http_ok(client, gateway, "/health", 20.0)
         yield f
         ok = True

@@ -1,0 +1,199 @@
+"""Fault 4: an adapter load fails on one replica, or times out there.
+
+All or nothing, proven from outside with real processes: while the load is under way and
+after it failed, a watcher keeps asking the gateway for the adapter (a completion and
+``/v1/models``) and never once sees it live; afterwards no replica holds it; the trainer
+gets an OpenAI-shaped error that names the replica and the cause (by index, never by URL);
+and the same name loads cleanly once the fault is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from tests.faults.procs import Fleet, fleet, wait_until
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+BROADCAST_TIMEOUT_S = 1.0
+LOAD_DEADLINE_S = 0.6
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def f(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Fleet]:
+    settings = {
+        "broadcast_timeout_s": BROADCAST_TIMEOUT_S,
+        "adapter_load_deadline_s": LOAD_DEADLINE_S,
+        "adapter_retry_initial_s": 0.05,
+        "adapter_retry_max_s": 0.1,
+    }
+    async with fleet(tmp_path_factory.mktemp("adapters"), 3, settings=settings) as fl:
+        yield fl
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def _no_faults(f: Fleet) -> AsyncIterator[None]:
+    for i in range(3):
+        await f.clear_faults(i)
+    yield
+    for i in range(3):
+        await f.clear_faults(i)
+
+
+@dataclass
+class Watcher:
+    """Asks the gateway for ``name`` in a loop: a completion and ``/v1/models``."""
+
+    f: Fleet
+    name: str
+    completions: list[int] = field(default_factory=list)
+    sent: list[tuple[float, float, int]] = field(default_factory=list)
+    """(sent at, answered at, status) of every completion."""
+    listed: list[bool] = field(default_factory=list)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _task: asyncio.Task[None] | None = None
+
+    def start(self) -> Watcher:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        body = {"model": self.name, "prompt": [1, 2, 3], "max_tokens": 2}
+        for _ in range(5000):
+            if self._stop.is_set():
+                return
+            sent = time.monotonic()
+            r = await self.f.client.post("/v1/completions", json=body)
+            self.completions.append(r.status_code)
+            self.sent.append((sent, time.monotonic(), r.status_code))
+            models = (await self.f.client.get("/v1/models")).json()
+            self.listed.append(any(m["id"] == self.name for m in models["data"]))
+
+    async def rounds(self, n: int) -> None:
+        """Wait until the watcher completed ``n`` more rounds."""
+        target = len(self.listed) + n
+        await wait_until(self._at(target), 10, f"{n} watcher rounds")
+
+    def _at(self, target: int) -> Callable[[], Awaitable[bool]]:
+        async def reached() -> bool:
+            return len(self.listed) >= target
+
+        return reached
+
+    async def stop(self) -> None:
+        self._stop.set()
+        assert self._task is not None
+        await asyncio.wait_for(self._task, 10)
+
+
+def _error(r: httpx.Response) -> dict[str, object]:
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str)
+    assert "127.0.0.1" not in error["message"] and "http" not in error["message"]
+    return dict(error)
+
+
+async def _held_anywhere(f: Fleet, name: str) -> list[int]:
+    return [i for i in range(3) if name in await f.held(i)]
+
+
+async def test_engine_error_on_one_replica_rolls_back_everywhere(f: Fleet) -> None:
+    await f.faults(1, load_error=1)
+    await f.faults(2, load_delay_s=0.5)  # replica 0 done, 1 failed, 2 still loading
+    watcher = Watcher(f, "err-v1").start()
+    try:
+        r = await f.load("err-v1")
+        await watcher.rounds(2)  # and after the answer
+    finally:
+        await watcher.stop()
+
+    assert r.status_code == 502, r.text
+    error = _error(r)
+    message = str(error["message"])
+    assert "replica 1" in message and "HTTP 500" in message, message
+    assert "Simulated engine failure" in message, message  # the replica's own reason
+    assert "Rolled back on replicas 0, 2" in message, message
+    assert await _held_anywhere(f, "err-v1") == []
+    assert watcher.completions and set(watcher.completions) == {404}, watcher.completions
+    assert not any(watcher.listed)
+    for i in range(3):
+        loads = (await f.sim_stats(i))["loads"]
+        assert loads.count("err-v1") == 1, (i, loads)  # an engine error is not retried
+
+    # The same name loads cleanly once the fault is gone: no stuck half-state.
+    await f.clear_faults(2)
+    assert (await f.load("err-v1")).status_code == 200
+    assert await _held_anywhere(f, "err-v1") == [0, 1, 2]
+    ok = await f.client.post(
+        "/v1/completions", json={"model": "err-v1", "prompt": [1, 2], "max_tokens": 2}
+    )
+    assert ok.status_code == 200, ok.text
+
+
+async def test_load_timeout_on_one_replica_keeps_it_out_until_reconciled(f: Fleet) -> None:
+    """A replica that does not answer the load within ``broadcast_timeout_s`` is treated
+    as unreachable (docs/adapters.md, "Load fan-out" step 5): the load goes live on the
+    others, and the slow replica gets no request for the adapter until it is reconciled
+    and holds it. (The issue's table asks for a rollback and an error here instead; see
+    the suite's report.) What must hold either way: no request ever reaches a replica that
+    lacks the adapter, and the fleet converges."""
+    late = BROADCAST_TIMEOUT_S + 1.0
+    await f.faults(1, load_delay_s=late)
+    watcher = Watcher(f, "slow-v1").start()
+    checks = 0
+    try:
+        r = await f.load("slow-v1")
+        answered = time.monotonic()
+        assert r.status_code == 200, r.text
+
+        async def converged() -> bool:
+            nonlocal checks
+            checks += 1
+            routable = await _routable(f, "slow-v1")
+            holding = await _held_anywhere(f, "slow-v1")
+            assert set(routable) <= set(holding), (routable, holding)
+            return routable == holding == [0, 1, 2]
+
+        await wait_until(converged, late + 5.0, "replica 1 reconciled", interval=0.05)
+    finally:
+        await watcher.stop()
+    assert checks >= 3
+    before = {status for _, end, status in watcher.sent if end < answered - 0.05}
+    after = {status for start, _, status in watcher.sent if start > answered}
+    assert before == {404} and after == {200}, watcher.sent
+    assert "slow-v1" in await f.held(1)
+
+
+async def _routable(f: Fleet, name: str) -> list[int]:
+    """Replicas the gateway would send a request for ``name`` to."""
+    status = await f.status()
+    for adapter in status["adapters"]["adapters"]:
+        if adapter["name"] == name and adapter["state"] == "live":
+            up = {r["index"] for r in status["adapters"]["replicas"] if r["state"] == "up"}
+            return sorted(set(adapter["replicas"]) & up)
+    return []
+
+
+async def test_mount_lag_past_the_deadline_is_504_never_404(f: Fleet) -> None:
+    await f.faults(0, load_not_found=-1)
+    r = await f.load("lag-v1")
+    assert r.status_code == 504, r.text  # TRL reads a 404 as "runtime LoRA is disabled"
+    message = str(_error(r)["message"])
+    assert "replica 0" in message and "lag-v1" in message, message
+    assert await _held_anywhere(f, "lag-v1") == []
+    lag_loads = (await f.sim_stats(0))["loads"].count("lag-v1")
+    assert lag_loads >= 2, "the mount lag was not retried"
+
+    # Lag that clears within the deadline is invisible to the trainer.
+    await f.clear_faults(0)
+    await f.faults(0, load_not_found=2)
+    assert (await f.load("lag-v2")).status_code == 200
+    assert await _held_anywhere(f, "lag-v2") == [0, 1, 2]
