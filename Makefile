@@ -5,13 +5,15 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_PY := $(CURDIR)/.venv-vllm/bin/python
 
-.PHONY: help venv vllm tools lint test test-fast demo bench clean
+.PHONY: help venv vllm tools lint test test-fast demo bench bench-soak bench-ceiling clean
 
 help:
 	@echo "make test   - install everything (gateway venv + vLLM venv) and run lint + all tests"
 	@echo "make demo   - async LoRA GRPO through the gateway on 2 real vLLM replicas (~4 min)"
 	@echo "make test-fast - unit + integration tests only (no real vLLM)"
 	@echo "make bench  - run the benchmarks in bench/ and refresh bench/results/"
+	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
+	@echo "make bench-ceiling - max sustained req/s vs vllm-router, with a py-spy profile (~12 min)"
 
 $(STAMP): pyproject.toml
 	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
@@ -49,6 +51,12 @@ demo: venv vllm
 bench: venv
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/routing.py
+
+bench-soak: venv
+	$(BIN)/python bench/soak.py
+
+bench-ceiling: venv
+	$(BIN)/python bench/ceiling.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

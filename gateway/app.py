@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,15 +26,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import __version__
+from gateway.aborts import ReplicaTasks
 from gateway.adapters.manager import AdapterManager
 from gateway.adapters.naming import NamePattern
 from gateway.adapters.state import AdapterPolicy
+from gateway.admission import Admission
 from gateway.config import ReplicaSpec, Settings
 from gateway.discovery import Discovery, diff_membership
 from gateway.errors import GatewayError, UpstreamUnavailable, error_body
 from gateway.metrics import Metrics
+from gateway.outliers import BreakerState, OutlierDetector, OutlierEvent
 from gateway.relay import ClientDisconnected
 from gateway.replicas import ReplicaPool, Transition
+from gateway.retry_budget import RetryBudget
 from gateway.routes import FastPath, build_routes, error_response
 from gateway.routing.config import RoutingConfig
 from gateway.routing.policy import PrefixAffinityRouter, Router, make_router
@@ -54,9 +59,24 @@ class Gateway:
     adapters: AdapterManager
     client_keys: tuple[bytes, ...] = field(default=(), init=False)
     admin_keys: tuple[bytes, ...] = field(default=(), init=False)
+    outliers: OutlierDetector = field(init=False)
+    retry_budget: RetryBudget = field(init=False)
+    admission: Admission = field(init=False)
+    tasks: ReplicaTasks = field(default_factory=ReplicaTasks, init=False)
 
     def __post_init__(self) -> None:
         s = self.settings
+        self.outliers = OutlierDetector(
+            consecutive_errors=s.outlier_consecutive_errors,
+            base_ejection_s=s.outlier_ejection_s,
+            max_ejection_s=s.outlier_max_ejection_s,
+            max_ejected_fraction=s.outlier_max_ejected_fraction,
+        )
+        self.retry_budget = RetryBudget(
+            ratio=s.retry_budget_ratio, min_per_s=s.retry_budget_min_per_s
+        )
+        self.admission = Admission(s.max_in_flight, s.max_in_flight_per_client)
+        self.metrics.watch_breakers(self.outliers)
         admin = s.admin_key.get_secret_value().encode() if s.admin_key else None
         client = s.api_key.get_secret_value().encode() if s.api_key else None
         self.admin_keys = (admin,) if admin else ()
@@ -77,12 +97,42 @@ class Gateway:
             raise UpstreamUnavailable("No healthy replica.", headers={"Retry-After": "2"})
         return healthy
 
+    def routable_or_503(self) -> list[int]:
+        """Healthy replicas whose outlier breaker lets a routed request through."""
+        routable = self.outliers.routable(self.healthy_or_503(), time.monotonic())
+        if not routable:
+            raise UpstreamUnavailable(
+                "Every healthy replica is ejected for errors.", headers={"Retry-After": "1"}
+            )
+        return routable
+
+    def record_status(self, index: int, status: int) -> None:
+        """Feed one routed answer to outlier detection."""
+        event = self.outliers.record(index, status, time.monotonic(), len(self.pool))
+        if event is OutlierEvent.EJECTED:
+            self.metrics.ejections.labels(str(index), "outlier").inc()
+            until = self.outliers.breaker(index).reopen_at - time.monotonic()
+            log.warning("replica %d (%s) ejected for %.1f s: HTTP %d errors in a row",
+                        index, self.pool[index].display, until, status)  # fmt: skip
+        elif event is OutlierEvent.RESTORED:
+            log.info("replica %d (%s) answered its trial request; breaker closed",
+                     index, self.pool[index].display)  # fmt: skip
+
     def on_connect_failure(self, index: int, kind: str) -> None:
         self.metrics.upstream_errors.labels(str(index), kind).inc()
         if self.pool.record_connect_failure(index) is Transition.EJECTED:
             self.metrics.ejections.labels(str(index), "passive").inc()
             log.warning("replica %d (%s) ejected: %s", index, self.pool[index].display, kind)
-            self.forget_cache(index)
+            self._ejected(index)
+
+    def _ejected(self, index: int) -> None:
+        """The replica is out: forget its cache, abort what still waits on it."""
+        self.forget_cache(index)
+        self.outliers.forget(index)
+        aborted = self.tasks.abort(index)
+        if aborted:
+            log.warning("replica %d: aborted %d requests in flight (retried elsewhere when "
+                        "no byte had arrived)", index, aborted)  # fmt: skip
 
     def forget_cache(self, index: int) -> None:
         """The replica's prefix cache is gone (restart, reset): stop steering by it."""
@@ -141,7 +191,7 @@ class Gateway:
             change = self.pool.record_probe(index, ok)
             if change is Transition.EJECTED:
                 self.metrics.ejections.labels(str(index), "probe").inc()
-                self.forget_cache(index)
+                self._ejected(index)
                 log.warning("replica %d (%s) failed health checks; ejected",
                             index, self.pool[index].display)  # fmt: skip
             elif change is Transition.READY:
@@ -179,6 +229,7 @@ class Gateway:
             self.pool.remove(index)
             self.adapters.remove_replica(index)
             self.forget_cache(index)
+            self.outliers.forget(index)
         added = []
         for spec in change.added:
             token = spec.token or self.settings.upstream_token
@@ -193,6 +244,7 @@ class Gateway:
     # --- introspection ---------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        breakers = self.outliers.states()
         return {
             "version": __version__,
             "router": self.router.name,
@@ -204,9 +256,11 @@ class Gateway:
                     "in_flight": r.in_flight,
                     "served": r.served,
                     "ejections": r.ejections,
+                    "breaker": breakers.get(r.index, BreakerState.CLOSED).name.lower(),
                 }
                 for r in self.pool.replicas
             ],
+            "in_flight": self.admission.in_flight,
             "routing": self.metrics.routing_counts(),
             "adapters": self.adapters.status(),
         }
@@ -256,6 +310,9 @@ def build_gateway(settings: Settings) -> Gateway:
 
 async def _gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
+    if exc.limit is not None:
+        gateway: Gateway = request.app.state.gateway
+        gateway.metrics.rejected.labels(exc.limit).inc()
     return error_response(exc)
 
 

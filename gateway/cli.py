@@ -113,7 +113,16 @@ def _serve_parser() -> argparse.ArgumentParser:
     add("--log-format", choices=["text", "json"], help="log line format (default text)")
     add("--log-level", help="logging level (default INFO)")
     add("--health-interval-s", type=float, help="active health probe period (default 2)")
+    add("--health-timeout-s", type=float, help="timeout of one health probe (default 2)")
     add("--max-body-bytes", type=int, help="request body limit (default 32 MiB)")
+    add("--max-in-flight", type=int, help="proxied requests in flight before 429 (default 4096)")
+    add("--max-in-flight-per-client", type=int, help="same, per client credential (default off)")
+    add(
+        "--outlier-consecutive-errors",
+        type=int,
+        help="5xx/429 answers in a row that eject a replica; 0 disables (default 5)",
+    )
+    add("--outlier-ejection-s", type=float, help="first outlier ejection time (default 10)")
     add(
         "--shutdown-timeout-s",
         type=float,

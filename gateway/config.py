@@ -146,6 +146,43 @@ class Settings(BaseSettings):
     broadcast_timeout_s: float = Field(120.0, gt=0, description="Per-replica fan-out timeout.")
     max_connections: int = Field(1024, ge=1, description="Upstream connection pool size.")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="Request body limit.")
+    max_header_bytes: int = Field(
+        16 * 1024, ge=256, description="Total request header bytes (names + values); 431 above."
+    )
+    max_header_count: int = Field(100, ge=8, description="Request headers; 431 above.")
+    max_json_depth: int = Field(
+        32, ge=2, description="Nesting depth of a JSON body (objects + arrays); 400 above."
+    )
+    max_n: int | None = Field(
+        256, ge=1, description="Largest 'n' (samples per prompt) accepted; 400 above."
+    )
+    max_tokens_limit: int | None = Field(
+        None, ge=1, description="Largest 'max_tokens' / 'max_completion_tokens'; 400 above."
+    )
+    max_in_flight: int | None = Field(
+        4096, ge=1, description="Proxied requests in flight; 429 + Retry-After above."
+    )
+    max_in_flight_per_client: int | None = Field(
+        None, ge=1, description="Proxied requests in flight per client; 429 + Retry-After."
+    )
+
+    # Passive outlier detection, retry budget.
+    outlier_consecutive_errors: int = Field(
+        5, ge=0, description="5xx/429 answers in a row that eject a replica (0: off)."
+    )
+    outlier_ejection_s: float = Field(
+        10.0, gt=0, description="First outlier ejection; doubles on each re-ejection."
+    )
+    outlier_max_ejection_s: float = Field(300.0, gt=0, description="Longest outlier ejection.")
+    outlier_max_ejected_fraction: float = Field(
+        0.5, ge=0, le=1, description="Share of replicas outlier detection may eject at once."
+    )
+    retry_budget_ratio: float = Field(
+        0.2, ge=0, description="Retries allowed per request over a 10 s window."
+    )
+    retry_budget_min_per_s: float = Field(
+        10.0, ge=0, description="Retries per second always allowed."
+    )
     shutdown_timeout_s: int = Field(
         10, ge=0, description="On SIGTERM: drain in-flight requests this long, then exit 0."
     )

@@ -10,6 +10,7 @@ the same envelope vLLM's OpenAI server uses, so clients parse one shape either w
     ├── NotFound                      404 unknown route or model
     ├── MethodNotAllowed              405 known path, wrong method
     ├── PayloadTooLarge               413 body above ``max_body_bytes``
+    ├── HeadersTooLarge               431 header bytes/count above the limits
     ├── TooManyRequests               429 admission limits
     └── UpstreamError                 (status 502)
         ├── UpstreamUnavailable       503 no healthy replica / all retries refused
@@ -31,6 +32,7 @@ __all__ = [
     "BadRequest",
     "BroadcastFailed",
     "GatewayError",
+    "HeadersTooLarge",
     "MethodNotAllowed",
     "NotFound",
     "PayloadTooLarge",
@@ -76,11 +78,14 @@ class GatewayError(Exception):
         *,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        limit: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.headers = headers or {}
+        self.limit = limit
+        """Set when a configured limit refused the request (the rejection metric's label)."""
 
     def body(self) -> bytes:
         return error_body(self.message, self.status, err_type=self.err_type, param=self.param)
@@ -113,6 +118,11 @@ class MethodNotAllowed(GatewayError):
 class PayloadTooLarge(GatewayError):
     status = 413
     err_type = "PayloadTooLarge"
+
+
+class HeadersTooLarge(GatewayError):
+    status = 431
+    err_type = "RequestHeaderFieldsTooLarge"
 
 
 class TooManyRequests(GatewayError):

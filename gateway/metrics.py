@@ -25,6 +25,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.outliers import OutlierDetector
 from gateway.replicas import ReplicaPool
 
 if TYPE_CHECKING:
@@ -138,6 +139,23 @@ class _RouterCollector(Collector):
         yield size
 
 
+class _BreakerCollector(Collector):
+    """Outlier breaker state per replica that has answered at least once."""
+
+    def __init__(self, outliers: OutlierDetector) -> None:
+        self._outliers = outliers
+
+    def collect(self) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            "gateway_replica_breaker_state",
+            "Outlier circuit breaker: 0 closed, 1 open (ejected), 2 half-open (one trial).",
+            labels=["replica"],
+        )
+        for index, value in sorted(self._outliers.states().items()):
+            state.add_metric([str(index)], int(value))
+        yield state
+
+
 class Metrics:
     """The gateway's metrics plus ``record_*`` helpers used by the I/O shell."""
 
@@ -176,7 +194,7 @@ class Metrics:
         )
         self.ejections = Counter(
             "gateway_replica_ejections_total",
-            "Times a replica was taken out of rotation, by cause (probe, passive).",
+            "Times a replica was taken out of rotation, by cause (probe, passive, outlier).",
             ["replica", "cause"],
             registry=r,
         )
@@ -232,9 +250,29 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.rejected = Counter(
+            "gateway_rejected_requests_total",
+            "Requests refused before reaching a replica, by limit (in_flight, "
+            "client_in_flight, header_bytes, header_count, json_depth, n, max_tokens, body).",
+            ["reason"],
+            registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "gateway_retry_budget_exhausted_total",
+            "Retryable failures answered to the client because the retry budget was spent.",
+            registry=r,
+        )
+        self.aborted = Counter(
+            "gateway_ejection_aborted_requests_total",
+            "Requests in flight to a replica when it was ejected (retried or stream ended).",
+            registry=r,
+        )
         r.register(_PoolCollector(pool))
         self._request_children: dict[tuple[RouteKind, int], tuple[Counter, Histogram]] = {}
         self._routed_children: dict[int, Counter] = {}
+
+    def watch_breakers(self, outliers: OutlierDetector) -> None:
+        self.registry.register(_BreakerCollector(outliers))
 
     def watch_router(self, router: PrefixAffinityRouter) -> None:
         self.registry.register(_RouterCollector(router))

@@ -45,36 +45,45 @@ class BodyResponse(Response):
 
 
 class RelayResponse(Response):
-    """Stream ``upstream``'s body to the client; ``on_close(completed)`` runs once."""
+    """Stream ``upstream``'s body to the client; ``on_close(completed)`` runs once.
+
+    ``ejected()`` is asked when the relay is cancelled: True means the replica was ejected
+    (``gateway.aborts``), which ends the stream like an upstream failure; otherwise the
+    cancellation is the client's disconnect (or shutdown) and propagates."""
 
     def __init__(
         self,
         upstream: aiohttp.ClientResponse,
         headers: list[tuple[bytes, bytes]],
         on_close: Callable[[bool], None],
+        ejected: Callable[[], bool] = lambda: False,
     ) -> None:
         self.status_code = upstream.status
         self.background = None
         self.raw_headers = headers
         self._upstream = upstream
         self._on_close = on_close
+        self._ejected = ejected
 
     async def _pump(self, send: Send) -> bool:
-        """Relay everything; False if the upstream broke mid-body."""
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
+        """Relay everything; False if the upstream broke (or was ejected) mid-body."""
         intact = True
         try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})  # fmt: skip
             async for chunk in self._upstream.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except asyncio.CancelledError:
+            if not self._ejected():
+                raise
+            intact = False
         except (aiohttp.ClientError, ConnectionError, TimeoutError):
             intact = False
+        if not intact and self._upstream.content_type == "text/event-stream":
             # Headers are out: the only honest signal left is an SSE error event.
-            if self._upstream.content_type == "text/event-stream":
-                err = UpstreamError("upstream replica failed mid-stream").body()
-                event = b"data: " + err + b"\n\n"
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+            err = UpstreamError("upstream replica failed mid-stream").body()
+            event = b"data: " + err + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return intact
 

@@ -20,6 +20,7 @@ I/O and report back to the pool and metrics in ``finally``.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -39,13 +40,16 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
+from gateway.admission import Refusal
 from gateway.errors import (
     BadRequest,
     BroadcastFailed,
     GatewayError,
+    HeadersTooLarge,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    TooManyRequests,
     Unauthorized,
     UpstreamUnavailable,
 )
@@ -63,6 +67,7 @@ from gateway.upstream import (
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.config import Settings
 
 __all__ = ["FastPath", "build_routes", "error_response"]
 
@@ -164,7 +169,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         if not declared.isdigit():
             raise BadRequest("Invalid Content-Length header.")
         if int(declared) > limit:
-            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.")
+            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.", limit="body")
     chunks: list[bytes] = []
     size = 0
     more = True
@@ -175,36 +180,60 @@ async def read_body(request: Request, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.")
+            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.", limit="body")
         chunks.append(chunk)
         more = message.get("more_body", False)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def parse_json_object(body: bytes) -> dict[str, Any]:
+def parse_json_object(body: bytes, max_depth: int | None = None) -> dict[str, Any]:
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"Invalid JSON body: {exc.msg}.") from None
     if not isinstance(payload, dict):
         raise BadRequest("Request body must be a JSON object.")
+    if max_depth is not None and _too_deep(body, payload, max_depth):
+        raise BadRequest(f"JSON body nests deeper than {max_depth} levels.", limit="json_depth")
     return payload
 
 
-def _check_generation(path: str, payload: Mapping[str, Any]) -> None:
-    """Reject, with the offending ``param``, what no replica could serve. The rest is
-    vLLM's to validate: the gateway forwards the body untouched."""
+def _too_deep(body: bytes, payload: dict[str, Any], limit: int) -> bool:
+    """Whether objects/arrays nest more than ``limit`` deep. Counting brackets in the raw
+    bytes (C speed) bounds the depth from above, so the walk runs only for bodies with
+    many containers -- never for a TRL rollout (a token-id list inside one object)."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    stack: list[tuple[Any, int]] = [(payload, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((v, depth + 1) for v in children if isinstance(v, dict | list))
+    return False
+
+
+def _check_generation(path: str, payload: Mapping[str, Any], settings: Settings) -> None:
+    """Reject, with the offending ``param``, what no replica could serve or the operator's
+    ceilings forbid. The rest is vLLM's to validate: the body is forwarded untouched."""
     model = payload.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string.", param="model")
     if not isinstance(payload.get("stream", False), bool | None):
         raise BadRequest("'stream' must be a boolean.", param="stream")
-    for name in ("n", "max_tokens"):
+    for name, ceiling in (
+        ("n", settings.max_n),
+        ("max_tokens", settings.max_tokens_limit),
+        ("max_completion_tokens", settings.max_tokens_limit),
+    ):
         value = payload.get(name)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise BadRequest(f"'{name}' must be a positive integer.", param=name)
+        if ceiling is not None and value > ceiling:
+            raise BadRequest(f"'{name}' must be at most {ceiling} here.", param=name, limit=name)
     if path.endswith("/chat/completions"):
         if not isinstance(payload.get("messages"), list):
             raise BadRequest("'messages' must be a list.", param="messages")
@@ -247,46 +276,76 @@ async def dispatch(
     pick: Pick,
 ) -> Response:  # fmt: skip
     """Send to one replica chosen among ``candidates``; if it fails before any response
-    byte, eject it and try another. Streams are relayed as they arrive."""
+    byte (refused, reset, or aborted because it was ejected), try another while the retry
+    budget allows. Streams are relayed as they arrive; nothing is retried after that."""
     started = time.perf_counter()
     request_id = request_id_for(request)
     headers = request_headers(request.scope["headers"], request_id)
     path = request.scope.get("raw_path", b"").decode("latin-1") or request.scope["path"]
     query = request.scope.get("query_string", b"").decode("latin-1")
+    task = asyncio.current_task()
+    assert task is not None
     remaining = list(candidates)
+    gw.retry_budget.record_request(time.monotonic())
+    retrying = False
     while True:
         if not remaining:
             raise UpstreamUnavailable("No healthy replica could take the request.")
+        if retrying and not gw.retry_budget.try_retry(time.monotonic()):
+            gw.metrics.retry_budget_exhausted.inc()
+            raise UpstreamUnavailable(
+                "A replica failed before answering and the retry budget is spent.",
+                headers={"Retry-After": "1"},
+            )
         index = pick.choose(remaining)
         remaining.remove(index)
         if not pick.started(index):
             continue
+        if retrying:
+            gw.metrics.retries.inc()
         gw.pool.acquire(index)
+        gw.outliers.dispatched(index)
         gw.metrics.record_routed(index)
+        gw.tasks.enter(index, task)
         exchange = _exchange(gw, index, request.method, path, query, headers, body)
         try:
             upstream, content = await cancel_on_disconnect(request.receive, exchange)
         except ReplicaConnectError as exc:
-            _release(gw, pick, index)
+            _abandon(gw, pick, index, task)
             gw.on_connect_failure(index, exc.kind)
-            gw.metrics.retries.inc()
-            continue
+        except asyncio.CancelledError:
+            ejected = gw.tasks.take(task)
+            _abandon(gw, pick, index, task)
+            if not ejected:
+                raise
+            gw.metrics.aborted.inc()
         except BaseException:
-            _release(gw, pick, index)
+            _abandon(gw, pick, index, task)
             raise
-        break
+        else:
+            break
+        retrying = True
 
-    out_headers = response_headers(upstream.raw_headers, index, request_id)
     status = upstream.status
+    gw.record_status(index, status)
+    out_headers = response_headers(upstream.raw_headers, index, request_id)
     if content is None:
 
         def on_close(completed: bool) -> None:
+            gw.tasks.leave(index, task)
             _release(gw, pick, index)
             if not completed:
                 gw.metrics.client_disconnects.inc()
             gw.metrics.record_request(kind, status, time.perf_counter() - started)
 
-        return RelayResponse(upstream, out_headers, on_close)
+        def was_ejected() -> bool:
+            if gw.tasks.take(task):
+                gw.metrics.aborted.inc()
+                return True
+            return False
+
+        return RelayResponse(upstream, out_headers, on_close, was_ejected)
+    gw.tasks.leave(index, task)
     _release(gw, pick, index)
     gw.metrics.record_request(kind, status, time.perf_counter() - started)
     return BodyResponse(status, out_headers, content)
@@ -317,16 +376,23 @@ def _release(gw: Gateway, pick: Pick, index: int) -> None:
     pick.finished(index)
 
 
+def _abandon(gw: Gateway, pick: Pick, index: int, task: asyncio.Task[Any]) -> None:
+    """The attempt on ``index`` ended without a response."""
+    gw.tasks.leave(index, task)
+    gw.outliers.abandoned(index)
+    _release(gw, pick, index)
+
+
 async def routed(request: Request) -> Response:
     """ROUTED: completions and chat completions."""
     gw = _gateway(request)
     require_client(request)
     body = await read_body(request, gw.settings.max_body_bytes)
-    payload = parse_json_object(body)
+    payload = parse_json_object(body, gw.settings.max_json_depth)
     path: str = request.scope["path"]
-    _check_generation(path, payload)
+    _check_generation(path, payload, gw.settings)
     model = payload.get("model")
-    healthy = gw.healthy_or_503()
+    healthy = gw.routable_or_503()
     allowed = gw.adapters.candidates(model)
     candidates = healthy if allowed is None else [i for i in healthy if i in allowed]
     if not candidates:
@@ -367,13 +433,70 @@ async def forwarded(request: Request) -> Response:
     """FORWARDED: any other path goes to the least-loaded healthy replica."""
     gw = _gateway(request)
     require_client(request)
-    body = await read_body(request, gw.settings.max_body_bytes)
+    client = admit(gw, request)
+    try:
+        body = await read_body(request, gw.settings.max_body_bytes)
 
-    def choose(remaining: Sequence[int]) -> int:
-        return min(remaining, key=lambda i: (gw.pool[i].in_flight, i))
+        def choose(remaining: Sequence[int]) -> int:
+            return min(remaining, key=lambda i: (gw.pool[i].in_flight, i))
 
-    return await dispatch(request, gw, RouteKind.FORWARDED, body, gw.healthy_or_503(),
-                          Pick(choose))  # fmt: skip
+        response = await dispatch(request, gw, RouteKind.FORWARDED, body,
+                                  gw.routable_or_503(), Pick(choose))  # fmt: skip
+    except BaseException:
+        gw.admission.leave(client)
+        raise
+    return Releasing(response, lambda: gw.admission.leave(client))
+
+
+# --- limits -------------------------------------------------------------------------------
+
+
+def admit(gw: Gateway, request: Request) -> bytes:
+    """Count the request against the in-flight limits (429 when over); returns the client
+    key to ``leave`` with, exactly once."""
+    client = header(request, b"authorization") or _peer(request.scope)
+    refusal = gw.admission.enter(client)
+    if refusal is not None:
+        gw.metrics.rejected.labels(refusal.value).inc()
+        who = "this client" if refusal is Refusal.CLIENT_IN_FLIGHT else "the gateway"
+        raise TooManyRequests(f"Too many requests in flight for {who}; retry shortly.",
+                              headers={"Retry-After": "1"})  # fmt: skip
+    return client
+
+
+def _peer(scope: Scope) -> bytes:
+    peer = scope.get("client")
+    return peer[0].encode() if peer else b"-"
+
+
+def check_headers(headers: Sequence[tuple[bytes, bytes]], settings: Settings) -> None:
+    """431 for too many or too large request headers (the server parsed them already;
+    this keeps them out of everything downstream: logs, upstream, the router)."""
+    if len(headers) > settings.max_header_count:
+        raise HeadersTooLarge(f"More than {settings.max_header_count} request headers.",
+                              limit="header_count")  # fmt: skip
+    size = 0
+    for name, value in headers:
+        size += len(name) + len(value)
+    if size > settings.max_header_bytes:
+        raise HeadersTooLarge(f"Request headers exceed {settings.max_header_bytes} bytes.",
+                              limit="header_bytes")  # fmt: skip
+
+
+class Releasing(Response):
+    """Runs ``release`` once the wrapped response was sent (or failed to be)."""
+
+    def __init__(self, inner: Response, release: Callable[[], None]) -> None:
+        self.inner = inner
+        self.status_code = inner.status_code
+        self.background = None
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            self._release()
 
 
 # --- broadcast ----------------------------------------------------------------------------
@@ -393,7 +516,7 @@ async def broadcast(request: Request) -> Response:
     path = request.url.path
     request_id = request_id_for(request)
     if path in _ADAPTER_PATHS:
-        payload = parse_json_object(body)
+        payload = parse_json_object(body, gw.settings.max_json_depth)
         manager = gw.adapters
         handler = manager.load if path == "/v1/load_lora_adapter" else manager.unload
         reply = await handler(payload)
@@ -552,7 +675,8 @@ def build_routes() -> list[BaseRoute]:
 
 
 class FastPath:
-    """Outer ASGI app: ``POST`` to a ROUTED path skips Starlette's router and middleware.
+    """Outer ASGI app: header limits for every request, and ``POST`` to a ROUTED path
+    skips Starlette's router and middleware.
 
     Rollouts are the gateway's whole load; on 2 cores the proxy's CPU per request is its
     throughput, and the generic stack (route matching, two exception middlewares wrapping
@@ -562,28 +686,47 @@ class FastPath:
 
     def __init__(self, app: Starlette) -> None:
         self.app = app
+        self.gateway: Gateway = app.state.gateway
 
     @property
     def state(self) -> State:
         return self.app.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or scope["path"] not in ROUTED_PATHS
-        ):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        gw = self.gateway
+        try:
+            check_headers(scope["headers"], gw.settings)
+        except GatewayError as exc:
+            await self._refuse(exc)(scope, receive, send)
+            return
+        if scope["method"] != "POST" or scope["path"] not in ROUTED_PATHS:
             await self.app(scope, receive, send)
             return
         scope["app"] = self.app
         request = Request(scope, receive)
         try:
-            response = await routed(request)
-        except ClientDisconnected:
-            return
+            client = admit(gw, request)
         except GatewayError as exc:
-            response = error_response(exc)
-        except Exception:
-            log.exception("unhandled error on POST %s", scope["path"])
-            response = error_response(GatewayError("Internal gateway error."))
-        await response(scope, receive, send)
+            await error_response(exc)(scope, receive, send)
+            return
+        try:
+            try:
+                response = await routed(request)
+            except ClientDisconnected:
+                return
+            except GatewayError as exc:
+                response = self._refuse(exc)
+            except Exception:
+                log.exception("unhandled error on POST %s", scope["path"])
+                response = error_response(GatewayError("Internal gateway error."))
+            await response(scope, receive, send)
+        finally:
+            gw.admission.leave(client)
+
+    def _refuse(self, exc: GatewayError) -> Response:
+        if exc.limit is not None:
+            self.gateway.metrics.rejected.labels(exc.limit).inc()
+        return error_response(exc)

@@ -61,6 +61,7 @@ class Faults:
     load_delay_s: float = 0.0  # added to every load
     completion_error: int = 0  # completions/chat answer ``completion_error_status``
     completion_error_status: int = 500
+    completion_error_delay_s: float = 0.0  # wait this long before answering the error
     completion_hang: int = 0  # completions/chat block until faults are cleared
     health_status: int = 200  # what GET /health answers
 
@@ -364,6 +365,8 @@ class SimState:
         fire, f.completion_error = Faults.take(f.completion_error)
         if fire:
             status = f.completion_error_status
+            if f.completion_error_delay_s > 0:  # "slow 429s": a struggling replica
+                await asyncio.sleep(f.completion_error_delay_s)
             err_type = "InternalServerError" if status >= 500 else "BadRequestError"
             raise SimError(f"Simulated failure (HTTP {status})", status, err_type)
         fire, f.completion_hang = Faults.take(f.completion_hang)

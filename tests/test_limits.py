@@ -1,0 +1,139 @@
+"""Configurable limits, each answered with its status, an OpenAI error and a metric."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from gateway.sim.config import SimConfig
+from gateway.sim.latency import LatencyModel
+from tests.cluster import cluster
+
+BODY = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 4}
+
+
+def rejected(metrics: str, reason: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(f'gateway_rejected_requests_total{{reason="{reason}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_header_count_and_size() -> None:
+    async with (
+        cluster(1, max_header_count=20, max_header_bytes=2048) as c,
+        httpx.AsyncClient(base_url=c.url) as client,
+    ):
+        many = {f"x-h{i}": "v" for i in range(30)}
+        r = await client.post("/v1/completions", json=BODY, headers=many)
+        assert r.status_code == 431
+        assert r.json()["error"]["type"] == "RequestHeaderFieldsTooLarge"
+        r = await client.get("/v1/models", headers={"x-big": "a" * 4096})
+        assert r.status_code == 431
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+        metrics = (await client.get("/metrics")).text
+        assert rejected(metrics, "header_count") == 1
+        assert rejected(metrics, "header_bytes") == 1
+        assert c.sim(0).stats.requests_by_model.total() == 1  # refused ones never left
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [("n", 9, "n"), ("max_tokens", 65, "max_tokens"), ("max_completion_tokens", 65, None)],
+)
+async def test_generation_ceilings(field: str, value: int, param: str | None) -> None:
+    async with (
+        cluster(1, max_n=8, max_tokens_limit=64) as c,
+        httpx.AsyncClient(base_url=c.url) as client,
+    ):
+        path = "/v1/completions"
+        body: dict[str, object] = {**BODY, field: value}
+        if field == "max_completion_tokens":
+            path = "/v1/chat/completions"
+            body = {"model": "tiny-base", "messages": [{"role": "user", "content": "hi"}],
+                    field: value}  # fmt: skip
+        r = await client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == (param or field)
+        ok = {**body, field: value - 1}
+        assert (await client.post(path, json=ok)).status_code == 200
+        assert rejected((await client.get("/metrics")).text, field) == 1
+
+
+async def test_json_depth() -> None:
+    async with cluster(1, max_json_depth=8) as c, httpx.AsyncClient(base_url=c.url) as client:
+        nested: object = 1
+        for _ in range(10):
+            nested = [nested]
+        r = await client.post("/v1/completions", json={**BODY, "extra": nested})
+        assert r.status_code == 400
+        assert "deeper than 8" in r.json()["error"]["message"]
+        # Many containers but shallow: the bracket pre-count is exceeded, the walk passes.
+        wide = {**BODY, "prompt": [[1, 2]] * 50}
+        assert (await client.post("/v1/completions", json=wide)).status_code == 200
+        # orjson's own recursion limit (1024) is a 400 too, not a 500.
+        deep = b'{"a":' + b"[" * 2000 + b"]" * 2000 + b"}"
+        r = await client.post("/v1/completions", content=deep,
+                              headers={"content-type": "application/json"})  # fmt: skip
+        assert r.status_code == 400
+        assert rejected((await client.get("/metrics")).text, "json_depth") == 1
+
+
+SLOW = SimConfig(latency=LatencyModel(decode=0.02))  # 25 tokens = 0.5 s
+
+
+async def test_global_in_flight_cap_answers_429_with_retry_after() -> None:
+    async with (
+        cluster(1, SLOW, max_in_flight=3) as c,
+        httpx.AsyncClient(base_url=c.url, timeout=10) as client,
+    ):
+        slow = {**BODY, "max_tokens": 25}
+        results = await asyncio.gather(
+            *(client.post("/v1/completions", json=slow) for _ in range(8))
+        )
+        codes = sorted(r.status_code for r in results)
+        assert codes.count(200) >= 3 and codes.count(429) >= 1, codes
+        refused = next(r for r in results if r.status_code == 429)
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "RateLimitError"
+        # Control endpoints are never refused, and the count returns to zero.
+        assert (await client.get("/health")).status_code == 200
+        assert c.gateway.admission.in_flight == 0
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+
+
+async def test_per_client_cap_is_per_credential() -> None:
+    async with (
+        cluster(1, SLOW, max_in_flight_per_client=1, api_key="k1") as c,
+        httpx.AsyncClient(base_url=c.url, timeout=10) as client,
+    ):
+        slow = {**BODY, "max_tokens": 25}
+        a = {"authorization": "Bearer k1"}
+        first = asyncio.create_task(client.post("/v1/completions", json=slow, headers=a))
+        await asyncio.sleep(0.15)
+        second = await client.post("/v1/completions", json=slow, headers=a)
+        assert second.status_code == 429
+        assert "this client" in second.json()["error"]["message"]
+        assert (await first).status_code == 200
+        assert c.gateway.admission.clients() == 0
+        metrics = (await client.get("/metrics")).text
+        assert rejected(metrics, "client_in_flight") == 1
+
+
+async def test_streams_hold_their_slot_until_the_end() -> None:
+    async with (
+        cluster(1, SLOW, max_in_flight=1) as c,
+        httpx.AsyncClient(base_url=c.url, timeout=10) as client,
+    ):
+        body = {**BODY, "max_tokens": 25, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            other = await client.post("/v1/completions", json=BODY)
+            assert other.status_code == 429
+            chunks = [line async for line in r.aiter_lines() if line.startswith("data:")]
+        assert chunks[-1] == "data: [DONE]"
+        assert c.gateway.admission.in_flight == 0
+        assert json.loads(chunks[0][5:])["object"] == "text_completion"

@@ -1,0 +1,127 @@
+"""Outlier ejection, half-open trials, retry budgets and ejection aborts, over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from gateway.outliers import BreakerState
+from gateway.sim.config import SimConfig
+from gateway.sim.latency import LatencyModel
+from tests.cluster import Cluster, cluster
+
+BODY = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 4}
+
+
+async def until(predicate: object, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if callable(predicate) and predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name))  # fmt: skip
+
+
+async def test_5xx_replica_is_ejected_probed_half_open_and_restored() -> None:
+    settings = {"router": "round_robin", "outlier_consecutive_errors": 3,
+                "outlier_ejection_s": 0.6}  # fmt: skip
+    async with cluster(2, **settings) as c, httpx.AsyncClient(base_url=c.url) as client:
+        c.sim(0).faults.completion_error = -1  # every completion: HTTP 500
+        codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(20)]
+        assert codes.count(500) == 3, codes  # relayed as they are, then no more traffic there
+        assert c.gateway.outliers.states()[0] is BreakerState.OPEN
+        status = (await client.get("/gateway/status")).json()
+        assert status["replicas"][0]["breaker"] == "open"
+        assert status["replicas"][0]["healthy"]  # /health still passes: only outliers see it
+        served_before = c.sim(1).stats.requests_by_model.total()
+        await asyncio.sleep(0.65)  # half-open: one trial reaches replica 0 and fails
+        codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(6)]
+        assert codes.count(500) == 1, codes
+        assert c.sim(1).stats.requests_by_model.total() == served_before + 5
+        c.sim(0).clear_faults()
+        await asyncio.sleep(1.3)  # the re-ejection doubled: 1.2 s
+        codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(6)]
+        assert codes == [200] * 6
+        assert c.gateway.outliers.states()[0] is BreakerState.CLOSED
+        metrics = (await client.get("/metrics")).text
+        assert metric(metrics, 'gateway_replica_ejections_total{cause="outlier",replica="0"}') == 2
+        assert 'gateway_replica_breaker_state{replica="0"} 0.0' in metrics
+
+
+async def test_slow_429s_eject_too_but_never_the_last_replica() -> None:
+    async with (
+        cluster(1, outlier_consecutive_errors=2) as c,
+        httpx.AsyncClient(base_url=c.url) as client,
+    ):
+        c.sim(0).faults.completion_error = -1
+        c.sim(0).faults.completion_error_status = 429
+        c.sim(0).faults.completion_error_delay_s = 0.05
+        codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(5)]
+        assert codes == [429] * 5  # the replica's own answer; ejecting it would help no one
+        assert c.gateway.outliers.states()[0] is BreakerState.CLOSED
+
+
+async def test_retry_budget_stops_retry_storms() -> None:
+    settings = {"router": "least_loaded", "retry_budget_ratio": 0.0,
+                "retry_budget_min_per_s": 0.1, "health_interval_s": 30}  # fmt: skip
+    async with cluster(3, **settings) as c, httpx.AsyncClient(base_url=c.url) as client:
+        await c.replicas[0].stop()
+        await c.replicas[1].stop()
+        r = await client.post("/v1/completions", json=BODY)  # 0 refused, retry on 1 refused
+        assert r.status_code == 503, r.text
+        assert "retry budget" in r.json()["error"]["message"]
+        metrics = (await client.get("/metrics")).text
+        assert metric(metrics, "gateway_retry_budget_exhausted_total") == 1
+        assert metric(metrics, "gateway_upstream_retries_total") == 1
+        # Both dead replicas were ejected passively; the next request goes straight to 2.
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+
+
+async def _eject_by_probe(c: Cluster, index: int) -> None:
+    c.sim(index).faults.health_status = 503
+    assert await until(lambda: not c.gateway.pool[index].up), "probe ejection did not happen"
+
+
+async def test_ejection_retries_requests_waiting_on_a_hung_replica() -> None:
+    async with (
+        cluster(2, router="least_loaded") as c,
+        httpx.AsyncClient(base_url=c.url, timeout=10) as client,
+    ):
+        c.sim(0).faults.completion_hang = -1
+        tasks = [asyncio.create_task(client.post("/v1/completions", json=BODY)) for _ in range(6)]
+        assert await until(lambda: c.gateway.pool[0].in_flight > 0)
+        t0 = time.monotonic()
+        await _eject_by_probe(c, 0)
+        results = await asyncio.gather(*tasks)
+        assert [r.status_code for r in results] == [200] * 6
+        assert {r.headers["x-gateway-replica"] for r in results} == {"1"}
+        assert time.monotonic() - t0 < 2.0
+        assert c.gateway.pool[0].in_flight == 0 and c.gateway.tasks.count(0) == 0
+        metrics = (await client.get("/metrics")).text
+        assert metric(metrics, "gateway_ejection_aborted_requests_total") >= 1
+        c.sim(0).clear_faults()
+
+
+async def test_ejection_ends_streams_in_flight_with_an_sse_error() -> None:
+    slow = SimConfig(latency=LatencyModel(decode=0.05))
+    async with cluster(1, slow) as c, httpx.AsyncClient(base_url=c.url, timeout=10) as client:
+        body = {**BODY, "max_tokens": 200, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            first = await anext(lines)
+            assert first.startswith("data: {")
+            await _eject_by_probe(c, 0)
+            rest = [line async for line in lines if line.startswith("data:")]
+        assert rest, "the stream ended without a word"
+        assert '"error"' in rest[-1] and "mid-stream" in rest[-1]
+        assert "[DONE]" not in "".join(rest)
+        assert await until(lambda: c.gateway.pool[0].in_flight == 0)
+        assert await until(lambda: c.sim(0).running == 0)  # the upstream generation was aborted
