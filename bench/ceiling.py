@@ -1,0 +1,1203 @@
+"""Throughput ceiling: the highest request rate each front sustains, side by side in one run.
+
+Fronts: ``direct`` (upstream 1 itself), ``gateway`` (the current tree, ``--log-level
+WARNING``) and ``vllm-router`` (Rust, ``round_robin``), all in front of the SAME two instant
+upstreams, which this script runs itself (``_upstream`` below): a non-streaming request gets
+``bench/instant_upstream.py``'s canned ~0.9 KB completion; a request with ``"stream": true``
+gets 16 vLLM-shaped SSE token events and ``data: [DONE]``, each event its own HTTP chunk and
+its own ``write()``. (The FastAPI sim replica was measured at ~800 req/s on this machine, far
+below the fronts, so it cannot serve as the upstream here.)
+
+Per mode (non-streaming, streaming):
+
+* **closed loop**, 64 in flight for ``--closed-seconds``: reference req/s per front;
+* **ladder**: open-loop paced load (``bench.loadgen.run_paced``, 64 connections, latency
+  from the *scheduled* send, so no coordinated omission) at each offered rate of
+  ``--rates``; each rate is run ``--reps`` times interleaved across fronts (ABC BCA CAB) and
+  the medians decide. A front *sustains* a rate when it achieved >= 97 % of it, <= 1 % of
+  sends were late, nothing was unsent, nothing failed and (not for direct) its p99 minus
+  direct's p99 in the same repetition is <= 10 ms. A front's ladder stops after its second
+  failed rate; the ladder stops for every front if direct fails (the harness's own limit).
+  Max sustained rate = the highest rate sustained. A streaming request counts as complete
+  at ``data: [DONE]``; a stream without all 16 events and ``[DONE]`` is an error.
+
+Then the gateway is profiled with py-spy at its non-streaming ceiling: a flame graph
+(``ceiling-profile.svg``) and, from a second recording of raw stacks at the same load, the
+own-time samples grouped by layer (uvicorn/httptools server, Starlette/ASGI, gateway code,
+aiohttp client, event loop/syscalls) in ``ceiling.md``. Front CPU time per request and the
+share of its core in use (``/proc/PID/task/*/schedstat``) are recorded at every point.
+
+Placement (``--placement split``, as ``bench/overhead.py``): the front under test alone on
+CPU 1; the load client, both upstreams and py-spy on CPU 0.
+
+    .venv/bin/python bench/ceiling.py            # full run, <= ~12 minutes (make bench-ceiling)
+    .venv/bin/python bench/ceiling.py --quick    # smoke, ~1-2 minutes, writes nothing
+
+Writes ``bench/results/ceiling.{json,md,png}`` and ``ceiling-profile.svg`` (``--out-dir``).
+Only processes started here are stopped, by PID; everything binds 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # run as a script this is already the case
+    sys.path.insert(0, str(HERE))
+
+import instant_upstream  # noqa: E402
+import loadgen  # noqa: E402
+import overhead  # noqa: E402
+from overhead import BIN, PY, Fleet, cpu_ns, free_port, med, wait_ready  # noqa: E402
+
+CONNECTIONS = 64
+STREAM_TOKENS = 16
+MODES = ("non-streaming", "streaming")
+FRONTS = ("direct", "gateway", "vllm-router")
+DEFAULT_RATES = (500, 1000, 1500, 2000, 2500, 3000, 4000, 5000, 6000, 8000)
+ADDED_P99_LIMIT_MS = 10.0
+MIN_ACHIEVED = 0.97
+MAX_LATE = 0.01
+TARGET_RPS = 3000.0
+# Synthetic client-side statuses (count as errors in loadgen.summarize).
+STATUS_NOT_A_STREAM = 597  # 200, but not text/event-stream
+STATUS_BROKEN_STREAM = 598  # stream without all token events or without [DONE]
+
+# ---------------------------------------------------------------------------------------------
+# The instant upstream (non-streaming and streaming), run as `ceiling.py _upstream --port P`.
+
+
+def _sse_chunks() -> list[bytes]:
+    """One streaming response as separate writes: headers + event 1, events 2..16, [DONE]."""
+    import orjson
+
+    events = []
+    for i in range(STREAM_TOKENS):
+        last = i == STREAM_TOKENS - 1
+        event = {
+            "id": "cmpl-bench",
+            "object": "text_completion",
+            "created": 0,
+            "model": "tiny-base",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": " tok",
+                    "logprobs": None,
+                    "finish_reason": "length" if last else None,
+                    "stop_reason": None,
+                    "token_ids": [1000 + i],
+                }
+            ],
+        }
+        events.append(b"data: " + orjson.dumps(event) + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    chunks = [f"{len(e):x}\r\n".encode() + e + b"\r\n" for e in events]
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    )
+    chunks[0] = head + chunks[0]
+    chunks[-1] += b"0\r\n\r\n"
+    return chunks
+
+
+_STREAM_FLAG = re.compile(rb'"stream"\s*:\s*true')
+
+
+class _Upstream(asyncio.Protocol):
+    """Answers in order: GET /health -> 200, a body with ``"stream": true`` -> SSE, else the
+    canned completion JSON of ``instant_upstream`` (byte-identical to overhead.py's)."""
+
+    stream_chunks: list[bytes] = []
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.transport: asyncio.WriteTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        assert self.transport is not None
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].lower()
+            length = 0
+            marker = head.find(b"content-length:")
+            if marker >= 0:
+                line_end = head.find(b"\r\n", marker)
+                length = int(head[marker + 15 : line_end if line_end > 0 else None])
+            total = end + 4 + length
+            if len(self.buf) < total:
+                return
+            body = self.buf[end + 4 : total]
+            self.buf = self.buf[total:]
+            if head.startswith(b"get /health"):
+                self.transport.write(instant_upstream._HEALTH)
+            elif _STREAM_FLAG.search(body):
+                for chunk in self.stream_chunks:  # one write per SSE event, like a token flush
+                    self.transport.write(chunk)
+            else:
+                self.transport.write(instant_upstream._RESPONSE)
+
+
+def upstream_main(argv: list[str]) -> int:
+    import uvloop
+
+    parser = argparse.ArgumentParser(prog="ceiling.py _upstream")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--stream-writes", choices=("event", "one"), default="event")
+    args = parser.parse_args(argv)
+    chunks = _sse_chunks()
+    _Upstream.stream_chunks = chunks if args.stream_writes == "event" else [b"".join(chunks)]
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_Upstream, "127.0.0.1", args.port, backlog=2048)
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(serve())
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The load client, run as `ceiling.py _client ...` (one process per point, pinned to CPU 0).
+
+
+def _dechunk(data: bytes) -> bytes | None:
+    """The body of a complete chunked message (``data`` = everything after the headers)."""
+    out: list[bytes] = []
+    pos = 0
+    while True:
+        line_end = data.find(b"\r\n", pos)
+        if line_end < 0:
+            return None
+        size = int(data[pos:line_end].split(b";", 1)[0], 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(data[line_end + 2 : line_end + 2 + size])
+        pos = line_end + 2 + size + 2
+
+
+def _stream_checking(
+    parse: Callable[[bytearray], tuple[int, int] | None],
+) -> Callable[[bytearray], tuple[int, int] | None]:
+    """Wrap loadgen's framing parser: a 200 must be a complete SSE stream ending in [DONE]."""
+
+    def checked(buf: bytearray) -> tuple[int, int] | None:
+        # One request in flight per connection: a chunked response is complete only when
+        # the buffer ends with the last chunk, so skip the full walk on every partial read.
+        if not buf.endswith(b"\r\n0\r\n\r\n"):
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0 and b"chunked" in bytes(buf[:end]).lower():
+                return None
+        parsed = parse(buf)
+        if parsed is None or parsed[0] != 200:
+            return parsed
+        status, consumed = parsed
+        end = buf.find(b"\r\n\r\n")
+        head = bytes(buf[:end]).lower()
+        if b"text/event-stream" not in head:
+            return STATUS_NOT_A_STREAM, consumed
+        raw = bytes(buf[end + 4 : consumed])
+        body = _dechunk(raw) if b"chunked" in head else raw
+        if (
+            body is None
+            or not body.endswith(b"data: [DONE]\n\n")
+            or body.count(b"data: {") != STREAM_TOKENS
+        ):
+            return STATUS_BROKEN_STREAM, consumed
+        return status, consumed
+
+    return checked
+
+
+def stream_bodies() -> list[bytes]:
+    """loadgen's TRL-shaped bodies with ``"stream": true``."""
+    out = []
+    for body in loadgen.make_bodies():
+        payload = json.loads(body)
+        payload["stream"] = True
+        out.append(json.dumps(payload, separators=(",", ":")).encode())
+    return out
+
+
+def client_main(argv: list[str]) -> int:
+    import uvloop
+
+    parser = argparse.ArgumentParser(prog="ceiling.py _client")
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--rate", type=float, default=0.0, help="0 = closed loop")
+    parser.add_argument("--requests", type=int, required=True)
+    parser.add_argument("--warmup", type=int, default=0, help="closed-loop requests first")
+    parser.add_argument("--max-seconds", type=float, required=True)
+    parser.add_argument("--cpu-pid", type=int, default=0, help="report this PID's CPU use")
+    parser.add_argument("--announce", action="store_true", help="print 'started' to stderr")
+    args = parser.parse_args(argv)
+    bodies = stream_bodies() if args.stream else loadgen.make_bodies()
+    if args.stream:
+        # loadgen looks its parser up at call time: this is the one hook it offers.
+        loadgen._parse_response = _stream_checking(loadgen._parse_response)  # type: ignore[assignment]
+
+    async def go() -> dict[str, Any]:
+        if args.warmup:
+            await loadgen.run_load(
+                args.url,
+                concurrency=CONNECTIONS,
+                requests=args.warmup,
+                max_seconds=args.max_seconds,
+                bodies=bodies,
+            )
+        cpu0, t0 = cpu_ns(args.cpu_pid) if args.cpu_pid else 0, time.perf_counter()
+        own0 = time.process_time()
+        if args.announce:
+            print("started", file=sys.stderr, flush=True)
+        if args.rate:
+            result = await loadgen.run_paced(
+                args.url,
+                rate=args.rate,
+                concurrency=CONNECTIONS,
+                requests=args.requests,
+                max_seconds=args.max_seconds,
+                bodies=bodies,
+            )
+        else:
+            result = await loadgen.run_load(
+                args.url,
+                concurrency=CONNECTIONS,
+                requests=args.requests,
+                max_seconds=args.max_seconds,
+                bodies=bodies,
+            )
+        wall = time.perf_counter() - t0
+        own = time.process_time() - own0
+        out = loadgen.summarize(result)
+        done = len(result.latencies_s) + result.transport_errors
+        # The client's own cost: it shares CPU 0 with both upstreams (harness headroom).
+        out["client_cpu_us_per_req"] = round(own * 1e6 / max(1, done), 1)
+        if args.cpu_pid:
+            used = cpu_ns(args.cpu_pid) - cpu0
+            served = done + result.primed
+            # Window = the whole run incl. connect + priming (~0.1 s): util reads slightly low.
+            out["front_cpu_util"] = round(used / 1e9 / wall, 3)
+            out["front_cpu_us_per_req"] = round(used / 1000 / max(1, served), 1)
+        return out
+
+    out = uvloop.run(go())
+    out.update(stream=args.stream, rate=args.rate, url=args.url)
+    sys.stdout.write(json.dumps(out) + "\n")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Orchestration.
+
+
+def _script(role: str, *args: str) -> list[str]:
+    return [PY, str(Path(__file__).resolve()), role, *args]
+
+
+def run_client(
+    fleet: Fleet,
+    url: str,
+    *,
+    stream: bool,
+    rate: float,
+    requests: int,
+    max_seconds: float,
+    pid: int,
+    warmup: int = 0,
+) -> dict[str, Any]:
+    argv = _script(
+        "_client",
+        "--url",
+        url,
+        "--rate",
+        f"{rate:g}",
+        "--requests",
+        str(requests),
+        "--max-seconds",
+        f"{max_seconds:g}",
+        "--cpu-pid",
+        str(pid),
+        "--warmup",
+        str(warmup),
+    )
+    if stream:
+        argv.append("--stream")
+    out = subprocess.run(
+        argv,
+        capture_output=True,
+        timeout=2 * max_seconds + 30,
+        preexec_fn=overhead._affinity(fleet.cpus("client")),
+        check=False,
+    )
+    try:
+        result: dict[str, Any] = json.loads(out.stdout.decode().strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError) as exc:
+        raise RuntimeError(f"client failed: {out.stderr.decode()[-2000:]}") from exc
+    return result
+
+
+@contextlib.contextmanager
+def fleet_up(
+    placement: str, with_router: bool, log_dir: Path, stream_writes: str = "event"
+) -> Iterator[tuple[Fleet, dict[str, str], dict[str, int]]]:
+    """Two upstreams, the gateway and vllm-router (same flags as ``bench/overhead.py``)."""
+    fleet = Fleet(placement, log_dir)
+    try:
+        ups = []
+        for i in range(2):
+            port = free_port()
+            proc = fleet.start(
+                f"upstream{i + 1}",
+                _script("_upstream", "--port", str(port), "--stream-writes", stream_writes),
+                "client",
+            )
+            ups.append((f"http://127.0.0.1:{port}", proc))
+        for url, proc in ups:
+            wait_ready(url + "/health", proc)
+        up_urls = [u for u, _ in ups]
+        fronts = {"direct": up_urls[0]}
+        pids = {"direct": ups[0][1].popen.pid}
+
+        gw_port = free_port()
+        gw_argv = [str(BIN / "rollout-gateway"), "serve"]
+        for url in up_urls:
+            gw_argv += ["--replica", url]
+        gw_argv += ["--host", "127.0.0.1", "--port", str(gw_port), "--log-level", "WARNING"]
+        gw = fleet.start("gateway", gw_argv, "front")
+        fronts["gateway"] = f"http://127.0.0.1:{gw_port}"
+        pids["gateway"] = gw.popen.pid
+
+        router_bin = BIN / "vllm-router"
+        if not router_bin.exists() and shutil.which("vllm-router"):
+            router_bin = Path(shutil.which("vllm-router") or "")
+        router = None
+        if with_router and router_bin.exists():
+            rport, mport = free_port(), free_port()
+            router = fleet.start(
+                "vllm-router",
+                [
+                    str(router_bin),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(rport),
+                    "--worker-urls",
+                    *up_urls,
+                    "--policy",
+                    "round_robin",
+                    "--prometheus-host",
+                    "127.0.0.1",
+                    "--prometheus-port",
+                    str(mport),
+                ],
+                "front",
+            )
+            fronts["vllm-router"] = f"http://127.0.0.1:{rport}"
+            pids["vllm-router"] = router.popen.pid
+        wait_ready(fronts["gateway"] + "/health", gw)
+        if router is not None:
+            wait_ready(fronts["vllm-router"] + "/health", router, timeout=60)
+        yield fleet, fronts, pids
+    finally:
+        fleet.stop_all()
+
+
+@dataclass
+class Clock:
+    """Wall-clock budget: how long runs take, so a ladder never starts what cannot finish."""
+
+    budget_s: float
+    t0: float = field(default_factory=time.monotonic)
+    run_s: list[float] = field(default_factory=list)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def per_run_overhead(self) -> float:
+        return sum(self.run_s) / len(self.run_s) if self.run_s else 1.0  # mean: cautious
+
+
+def passes(point: dict[str, Any], front: str) -> bool:
+    """The sustained-rate rule (see the module docstring), on a point's medians."""
+    ok = (
+        point["achieved_ratio"] >= MIN_ACHIEVED
+        and point["late_fraction"] <= MAX_LATE
+        and point["unsent"] == 0
+        and point["errors"] == 0
+    )
+    if front != "direct":
+        ok = ok and point["added_p99_ms"] <= ADDED_P99_LIMIT_MS
+    return bool(ok)
+
+
+def summarize_point(runs: list[dict[str, Any]], direct: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over repetitions; added latency is front - direct per repetition."""
+
+    def col(key: str) -> list[float]:
+        return [float(r[key]) for r in runs if key in r]
+
+    added = [float(r["p99_ms"]) - float(d["p99_ms"]) for r, d in zip(runs, direct, strict=False)]
+    added50 = [float(r["p50_ms"]) - float(d["p50_ms"]) for r, d in zip(runs, direct, strict=False)]
+    requests = sum(col("requests"))
+    return {
+        "reps": len(runs),
+        "achieved_rps": med([r["rps"] for r in runs]),
+        "achieved_ratio": med(col("achieved_ratio")),
+        "p50_ms": med(col("p50_ms")),
+        "p99_ms": med(col("p99_ms")),
+        "added_p50_ms": med(added50),
+        "added_p99_ms": med(added),
+        "service_p99_ms": med(col("service_p99_ms")),
+        "late_fraction": med(col("late_fraction")),
+        "late_sends": int(sum(col("late_sends"))),
+        "unsent": int(sum(col("unsent"))),
+        "errors": int(sum(col("errors"))),
+        "requests": int(requests),
+        "max_in_flight": int(max(col("max_in_flight"), default=0)),
+        "front_cpu_util": med(col("front_cpu_util")),
+        "front_cpu_us_per_req": med(col("front_cpu_us_per_req")),
+    }
+
+
+def ladder(
+    fleet: Fleet,
+    fronts: dict[str, str],
+    pids: dict[str, int],
+    *,
+    stream: bool,
+    rates: list[float],
+    reps: int,
+    seconds: float,
+    min_requests: int,
+    clock: Clock,
+    deadline_s: float,
+) -> dict[str, Any]:
+    """Step the offered rate; every rate ``reps`` times interleaved over the active fronts."""
+    mode = MODES[1] if stream else MODES[0]
+    order = [f for f in FRONTS if f in fronts]
+    active = list(order)
+    failures: Counter[str] = Counter()
+    points: dict[str, dict[str, dict[str, Any]]] = {}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    stop_reason = "ladder exhausted"
+    for rate in rates:
+        if not [f for f in active if f != "direct"]:
+            stop_reason = "every front failed twice"
+            break
+        n = max(min_requests, int(rate * seconds))
+        expected = len(active) * reps * (n / rate + clock.per_run_overhead())
+        if clock.elapsed() + expected > deadline_s:
+            stop_reason = f"time budget (next rate {rate:g} needs ~{expected:.0f} s)"
+            break
+        key = f"{rate:g}"
+        runs[key] = {f: [] for f in active}
+        for rep in range(reps):
+            turn = active[rep % len(active) :] + active[: rep % len(active)]
+            for front in turn:
+                t = time.monotonic()
+                res = run_client(
+                    fleet,
+                    fronts[front],
+                    stream=stream,
+                    rate=rate,
+                    requests=n,
+                    max_seconds=3 * n / rate + 5,
+                    pid=pids[front],
+                )
+                clock.run_s.append(time.monotonic() - t - n / rate)
+                res["rep"] = rep + 1
+                runs[key][front].append(res)
+                print(
+                    f"{mode} {rate:>6g}/s rep {rep + 1} {front:>12}: achieved "
+                    f"{res['achieved_ratio']:.3f} p50 {res['p50_ms']:.2f} p99 "
+                    f"{res['p99_ms']:.2f} ms late {res['late_sends']} err {res['errors']} "
+                    f"cpu {res.get('front_cpu_util', 0):.2f} core "
+                    f"{res.get('front_cpu_us_per_req', 0):.0f} us/req",
+                    file=sys.stderr,
+                )
+        points[key] = {}
+        direct_runs = runs[key].get("direct", [])
+        for front in active:
+            point = summarize_point(runs[key][front], direct_runs)
+            point["sustained"] = passes(point, front)
+            points[key][front] = point
+        if "direct" in points[key] and not points[key]["direct"]["sustained"]:
+            stop_reason = f"direct did not keep up at {rate:g} req/s (harness limit)"
+            break
+        for front in list(active):
+            if not points[key][front]["sustained"]:
+                failures[front] += 1
+                if failures[front] >= 2 and front != "direct":
+                    active.remove(front)
+    ceilings = {}
+    for front in order:
+        ok = [float(r) for r, pts in points.items() if pts.get(front, {}).get("sustained")]
+        tried = [float(r) for r, pts in points.items() if front in pts]
+        ceilings[front] = {
+            "max_sustained_rps": max(ok) if ok else 0.0,
+            "highest_tried_rps": max(tried) if tried else 0.0,
+            "limit_reached": any(
+                not pts[front]["sustained"] for pts in points.values() if front in pts
+            ),
+        }
+    return {"points": points, "runs": runs, "ceilings": ceilings, "stop_reason": stop_reason}
+
+
+def closed_loop(
+    fleet: Fleet,
+    fronts: dict[str, str],
+    pids: dict[str, int],
+    *,
+    stream: bool,
+    reps: int,
+    seconds: float,
+) -> dict[str, Any]:
+    """64 in flight for ``seconds`` per run (after a short warm-up in the same process)."""
+    order = [f for f in FRONTS if f in fronts]
+    runs: dict[str, list[dict[str, Any]]] = {f: [] for f in order}
+    for rep in range(reps):
+        for front in order[rep % len(order) :] + order[: rep % len(order)]:
+            res = run_client(
+                fleet,
+                fronts[front],
+                stream=stream,
+                rate=0,
+                requests=1_000_000,
+                max_seconds=seconds,
+                pid=pids[front],
+                warmup=500,
+            )
+            runs[front].append(res)
+            print(
+                f"{'streaming' if stream else 'non-streaming'} closed 64 rep {rep + 1} "
+                f"{front:>12}: {res['rps']:,.0f} req/s p99 {res['p99_ms']:.1f} ms err "
+                f"{res['errors']} cpu {res.get('front_cpu_util', 0):.2f} core "
+                f"{res.get('front_cpu_us_per_req', 0):.0f} us/req",
+                file=sys.stderr,
+            )
+    summary = {
+        f: {
+            "rps": med([r["rps"] for r in rs]),
+            "p50_ms": med([r["p50_ms"] for r in rs]),
+            "p99_ms": med([r["p99_ms"] for r in rs]),
+            "errors": sum(int(r["errors"]) for r in rs),
+            "front_cpu_util": med([r.get("front_cpu_util", float("nan")) for r in rs]),
+            "front_cpu_us_per_req": med([r.get("front_cpu_us_per_req", float("nan")) for r in rs]),
+        }
+        for f, rs in runs.items()
+    }
+    if "vllm-router" in summary:
+        for f, s in summary.items():
+            ratios = [
+                a["rps"] / b["rps"] for a, b in zip(runs[f], runs["vllm-router"], strict=False)
+            ]
+            s["rps_vs_vllm_router"] = med(ratios)
+    return {"runs": runs, "summary": summary}
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile.
+
+LAYERS = (
+    "uvicorn/httptools server",
+    "Starlette/ASGI",
+    "gateway code",
+    "prometheus-client (gateway metrics)",
+    "aiohttp client",
+    "event loop/syscalls",
+    "other",
+)
+
+
+_PACKAGE_LAYER = {
+    "uvicorn": LAYERS[0],
+    "httptools": LAYERS[0],
+    "starlette": LAYERS[1],
+    "gateway": LAYERS[2],
+    "orjson": LAYERS[2],
+    "xxhash": LAYERS[2],
+    "prometheus_client": LAYERS[3],
+    "aiohttp": LAYERS[4],
+    "yarl": LAYERS[4],
+    "multidict": LAYERS[4],
+    "propcache": LAYERS[4],
+    "aiosignal": LAYERS[4],
+    "frozenlist": LAYERS[4],
+    "asyncio": LAYERS[5],
+    "uvloop": LAYERS[5],
+    "selectors.py": LAYERS[5],
+    "socket.py": LAYERS[5],
+}
+_FRAME_FILE = re.compile(r"\(([^()]*?)(?::\d+)?\)$")
+
+
+def layer_of(frame: str) -> str:
+    """Layer of a py-spy frame ``function (package/module.py:line)`` by its top package.
+
+    Python-level stacks only: C work runs under the Python frame that called it (socket
+    writes under uvicorn's ``send``, httptools parsing under ``data_received``), and
+    uvloop's own loop (epoll, reads, callback dispatch) shows as ``Runner.run (asyncio)``.
+    """
+    match = _FRAME_FILE.search(frame)
+    path = match.group(1).replace("\\", "/") if match else ""
+    parts = path.split("/")
+    for i in range(len(parts) - 1, -1, -1):  # innermost known package wins (site-packages)
+        if parts[i] in _PACKAGE_LAYER and (i < len(parts) - 1 or parts[i].endswith(".py")):
+            return _PACKAGE_LAYER[parts[i]]
+    return LAYERS[6]
+
+
+def summarize_raw(raw: str, top: int = 5) -> dict[str, Any]:
+    """Own-time samples per layer and the top frames of each, from py-spy's ``--format raw``
+    (one ``root;...;leaf COUNT`` line per distinct stack). A leaf in an unlisted module
+    (contextlib, enum, a dataclass ``__init__``) is charged to its innermost listed caller:
+    ``map_errors``' context-manager plumbing is gateway time, not "other"."""
+    by_layer: Counter[str] = Counter()
+    frames: dict[str, Counter[str]] = defaultdict(Counter)
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        chain = stack.split(";")
+        leaf = chain[-1]
+        layer = next((lay for fr in reversed(chain) if (lay := layer_of(fr)) != LAYERS[6]), "")
+        by_layer[layer or LAYERS[6]] += n
+        frames[layer or LAYERS[6]][re.sub(r":\d+\)$", ")", leaf)] += n
+        total += n
+    return {
+        "samples": total,
+        "layers": {
+            layer: {
+                "samples": by_layer[layer],
+                "share": round(by_layer[layer] / total, 4) if total else 0.0,
+                "top": [
+                    {"frame": fr, "share": round(c / total, 4)}
+                    for fr, c in frames[layer].most_common(top)
+                ],
+            }
+            for layer in LAYERS
+            if by_layer[layer]
+        },
+    }
+
+
+def profile_gateway(
+    fleet: Fleet,
+    url: str,
+    pid: int,
+    rate: float,
+    *,
+    seconds: float,
+    out_svg: Path,
+) -> dict[str, Any]:
+    """py-spy the gateway under paced load at ``rate``: a flame graph, then raw stacks."""
+    spy = BIN / "py-spy"
+    if not spy.exists() and shutil.which("py-spy"):
+        spy = Path(shutil.which("py-spy") or "")
+    if not spy.exists():
+        return {"error": "py-spy not installed (uv pip install py-spy)"}
+    total_s = 2 * seconds + 8
+    n = int(rate * total_s)
+    pin = overhead._affinity(fleet.cpus("client"))
+    client = subprocess.Popen(
+        _script(
+            "_client",
+            "--url",
+            url,
+            "--rate",
+            f"{rate:g}",
+            "--requests",
+            str(n),
+            "--max-seconds",
+            f"{total_s + 10:g}",
+            "--cpu-pid",
+            str(pid),
+            "--announce",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=pin,
+    )
+    raw_path = out_svg.with_suffix(".raw.txt")  # the stacks behind ceiling.md's summary
+    info: dict[str, Any] = {"rate": rate, "seconds": seconds, "sample_rate_hz": 200}
+    try:
+        # Wait (bounded) for the client's "started" line: its load is about to run.
+        assert client.stderr is not None
+        deadline = time.monotonic() + 15.0
+        started = False
+        while not started and (left := deadline - time.monotonic()) > 0:
+            if not select.select([client.stderr], [], [], left)[0]:
+                break
+            line = client.stderr.readline()
+            if not line:  # EOF: the client died
+                break
+            started = line.strip() == b"started"
+        if not started:
+            info["error"] = "the load client did not start within 15 s"
+            return info
+        cpu0, t0 = cpu_ns(pid), time.monotonic()
+        common = ["record", "--pid", str(pid), "--rate", "200", "--duration", f"{seconds:g}"]
+        for fmt, path in (("flamegraph", out_svg), ("raw", raw_path)):
+            spy_out = subprocess.run(
+                [str(spy), *common, "--format", fmt, "-o", str(path)],
+                capture_output=True,
+                timeout=seconds + 30,
+                preexec_fn=pin,
+                check=False,
+            )
+            if spy_out.returncode != 0:
+                info["error"] = spy_out.stderr.decode()[-1000:]
+                return info
+        info["gateway_cpu_util_during_profile"] = round(
+            (cpu_ns(pid) - cpu0) / 1e9 / (time.monotonic() - t0), 3
+        )
+    finally:
+        if "error" in info:
+            client.kill()  # this PID only
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            stdout, _ = client.communicate(timeout=total_s + 30)
+            with contextlib.suppress(IndexError, json.JSONDecodeError):
+                info["load"] = json.loads(stdout.decode().strip().splitlines()[-1])
+        if client.poll() is None:
+            client.kill()
+            client.wait(timeout=5)
+    info.update(summarize_raw(raw_path.read_text()))
+    info["raw_stacks"] = raw_path.name
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Report.
+
+
+def _fmt_rate(value: float, limit_reached: bool, tried: float) -> str:
+    if value <= 0:
+        return f"< {tried:,.0f}" if tried else "n/a"
+    return f"{value:,.0f}" if limit_reached else f">= {value:,.0f} (no failure up to it)"
+
+
+def render(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    machine = report["machine"]
+    lines = [
+        "# Throughput ceiling",
+        "",
+        f"Max sustained rate = highest offered rate (open loop, {CONNECTIONS} connections, "
+        f"latency from the scheduled send) at which a front achieved >= {MIN_ACHIEVED:.0%} of "
+        f"it with <= {MAX_LATE:.0%} late sends, no errors, and p99 added latency (front p99 - "
+        f"direct p99, same repetition) <= {ADDED_P99_LIMIT_MS:g} ms; medians over "
+        f"{cfg['reps']} interleaved repetitions of {cfg['seconds']:g} s (>= "
+        f"{cfg['min_requests']} requests). Same two instant upstreams for every front; "
+        f"streaming = {STREAM_TOKENS} SSE token events + `[DONE]` (upstream writes: "
+        f"{cfg['stream_writes']}), complete at `[DONE]`. "
+        f"nproc={machine['nproc']}, placement: {cfg['placement_detail']}. Load average at "
+        f"start {overhead.fmt_load(machine['loadavg_at_start'])}, at end "
+        f"{overhead.fmt_load(cfg['loadavg_at_end'])}; {cfg['elapsed_s']:.0f} s in all.",
+        "",
+    ]
+    if cfg.get("note"):
+        lines += [f"**{cfg['note']}**", ""]
+    lines += [
+        "| mode | front | max sustained req/s | closed-loop req/s @64 | vs vllm-router "
+        "(sustained / closed) | front CPU µs/req at its ceiling | core busy at its ceiling |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode in MODES:
+        res = report["modes"].get(mode)
+        if not res:
+            continue
+        lad, closed = res["ladder"], res["closed_loop"]["summary"]
+        rt = lad["ceilings"].get("vllm-router", {}).get("max_sustained_rps", 0.0)
+        for front, c in lad["ceilings"].items():
+            top = f"{c['max_sustained_rps']:g}"
+            at = lad["points"].get(top, {}).get(front, {})
+            cl = closed.get(front, {})
+            ratio_s = f"{c['max_sustained_rps'] / rt:.2f}x" if rt else ""
+            ratio_c = f"{cl['rps_vs_vllm_router']:.2f}x" if "rps_vs_vllm_router" in cl else ""
+            lines.append(
+                f"| {mode} | {front} | "
+                f"{_fmt_rate(c['max_sustained_rps'], c['limit_reached'], c['highest_tried_rps'])} "
+                f"| {cl.get('rps', float('nan')):,.0f} | {ratio_s} / {ratio_c} "
+                f"| {at.get('front_cpu_us_per_req', float('nan')):.0f} "
+                f"| {at.get('front_cpu_util', float('nan')):.0%} |"
+            )
+    lines += ["", *render_targets(report), ""]
+    for mode in MODES:
+        res = report["modes"].get(mode)
+        if not res:
+            continue
+        lad = res["ladder"]
+        lines += [
+            f"## {mode}: ladder (stopped: {lad['stop_reason']})",
+            "",
+            "| offered req/s | front | achieved | p50 | p99 | added p99 | late sends "
+            "| errors | max in flight | front CPU (core) | µs/req | sustained |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for rate, pts in lad["points"].items():
+            for front, p in pts.items():
+                added = "" if front == "direct" else f"{p['added_p99_ms']:+.2f} ms"
+                lines.append(
+                    f"| {float(rate):,.0f} | {front} | {p['achieved_ratio']:.3f} "
+                    f"| {p['p50_ms']:.2f} ms | {p['p99_ms']:.2f} ms | {added} "
+                    f"| {p['late_sends']}/{p['requests']} | {p['errors']} | {p['max_in_flight']} "
+                    f"| {p['front_cpu_util']:.2f} | {p['front_cpu_us_per_req']:.0f} "
+                    f"| {'yes' if p['sustained'] else '**no**'} |"
+                )
+        lines.append("")
+    lines += render_profile(report)
+    lines += [
+        "## Reproduce",
+        "",
+        "```",
+        ".venv/bin/python bench/ceiling.py            # full run (make bench-ceiling), <= 12 min",
+        ".venv/bin/python bench/ceiling.py --quick    # smoke, ~1-2 min, writes nothing",
+        "```",
+        "",
+        f"Gateway: git {machine['git_head']}"
+        + (" + uncommitted gateway/ changes" if machine["gateway_tree_dirty"] else "")
+        + ", flags `--log-level WARNING` (default router least_loaded); vllm-router "
+        f"{machine['packages'].get('vllm-router')} `--policy round_robin`. Raw data: "
+        "`bench/results/ceiling.json`; plot: `ceiling.png`; flame graph: `ceiling-profile.svg`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_targets(report: dict[str, Any]) -> list[str]:
+    non = report["modes"].get(MODES[0])
+    if not non:
+        return []
+
+    def verdict(ok: bool) -> str:
+        return "**met**" if ok else "**NOT met**"
+
+    lines = ["**Targets (issue), gateway:**", "", "| target | measured | result |", "|---|---|---|"]
+    gw = non["ladder"]["ceilings"].get("gateway", {})
+    g = gw.get("max_sustained_rps", 0.0)
+    lines.append(
+        f"| >= {TARGET_RPS:,.0f} non-streaming req/s sustained with p99 added <= "
+        f"{ADDED_P99_LIMIT_MS:g} ms | {g:,.0f} req/s | {verdict(g >= TARGET_RPS)} |"
+    )
+    for mode in MODES:
+        res = report["modes"].get(mode)
+        if not res or "vllm-router" not in res["ladder"]["ceilings"]:
+            continue
+        c = res["ladder"]["ceilings"]
+        gv, rv = c["gateway"]["max_sustained_rps"], c["vllm-router"]["max_sustained_rps"]
+        lines.append(
+            f"| >= vllm-router's sustained rate, {mode}, same run | gateway {gv:,.0f} vs "
+            f"vllm-router {rv:,.0f} req/s | {verdict(gv >= rv > 0 or (gv > 0 and rv == 0))} |"
+        )
+    return lines
+
+
+def render_profile(report: dict[str, Any]) -> list[str]:
+    prof = report.get("profile")
+    if not prof:
+        return []
+    lines = [f"## Where the gateway's time goes (py-spy at {prof.get('rate', 0):,.0f} req/s)", ""]
+    if "error" in prof:
+        return [*lines, f"Profile failed: {prof['error']}", ""]
+    load = prof.get("load", {})
+    us = load.get("front_cpu_us_per_req", float("nan"))
+    lines += [
+        f"Non-streaming, paced at the gateway's ceiling; {prof['samples']:,} own-time samples "
+        f"at {prof['sample_rate_hz']} Hz over {prof['seconds']:g} s (idle excluded), gateway "
+        f"core busy {prof.get('gateway_cpu_util_during_profile', float('nan')):.0%} while "
+        f"sampled, {us:.0f} µs CPU/request over the whole load run (py-spy attached). "
+        "µs/req per layer = share x that figure. Flame graph: `ceiling-profile.svg`.",
+        "",
+        "| layer | share of samples | ≈ µs/req | top frames (own time, share of all samples) |",
+        "|---|---|---|---|",
+    ]
+    for layer, d in sorted(prof["layers"].items(), key=lambda kv: -kv[1]["share"]):
+        top = "; ".join(f"`{t['frame']}` {t['share']:.1%}" for t in d["top"][:3])
+        lines.append(f"| {layer} | {d['share']:.1%} | {d['share'] * us:.0f} | {top} |")
+    lines.append("")
+    lines += render_why(report, prof)
+    return lines
+
+
+def render_why(report: dict[str, Any], prof: dict[str, Any]) -> list[str]:
+    """If 3,000 req/s is out of reach: the CPU arithmetic that shows it, from the gateway's
+    cheapest measured CPU per request (no py-spy attached) and the profile's layer shares."""
+    non = report["modes"].get(MODES[0], {})
+    gw = non.get("ladder", {}).get("ceilings", {}).get("gateway", {})
+    g = gw.get("max_sustained_rps", 0.0)
+    at_ceiling = non.get("ladder", {}).get("points", {}).get(f"{g:g}", {}).get("gateway", {})
+    closed = non.get("closed_loop", {}).get("summary", {}).get("gateway", {})
+    us_ceiling = at_ceiling.get("front_cpu_us_per_req", float("nan"))
+    us_closed = closed.get("front_cpu_us_per_req", float("nan"))
+    known = [u for u in (us_ceiling, us_closed) if not math.isnan(u)]
+    if g >= TARGET_RPS or not known:
+        return []
+    us = min(known)
+    busy = at_ceiling.get("front_cpu_util", float("nan"))
+    at_text = (
+        f"{us_ceiling:.0f} µs/req at its ceiling (its core {busy:.0%} busy) and "
+        if at_ceiling
+        else "(it sustained no rate of the ladder) "
+    )
+    budget = 1e6 / TARGET_RPS
+    lib = sum(
+        d["share"]
+        for layer, d in prof["layers"].items()
+        if layer not in ("gateway code", "prometheus-client (gateway metrics)")
+    )
+    return [
+        "**Why the gateway stops where it does.** It is one Python process (one event loop) "
+        f"on one core. {TARGET_RPS:,.0f} req/s leaves {budget:.0f} µs of CPU per request; the "
+        f"gateway needs {at_text}{us_closed:.0f} µs/req closed-loop at 64 in flight, where "
+        "batching makes it cheapest. "
+        f"At the cheaper figure, {TARGET_RPS:,.0f} req/s would take {us / budget:.1f} cores. "
+        f"The layers the gateway does not own (server, ASGI, aiohttp client, event loop, "
+        f"other) take {lib:.0%} of the profile's samples, ≈ {lib * us:.0f} µs/req: with zero "
+        f"gateway code the process would still top out near {1e6 / (lib * us):,.0f} req/s on "
+        "this core.",
+        "",
+    ]
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"direct": "tab:gray", "gateway": "tab:blue", "vllm-router": "tab:orange"}
+    modes = [m for m in MODES if m in report["modes"]]
+    fig, axes = plt.subplots(len(modes), 2, figsize=(12, 4.2 * len(modes)), squeeze=False)
+    for row, mode in enumerate(modes):
+        lad = report["modes"][mode]["ladder"]
+        ax_rate, ax_p99 = axes[row]
+        top = 0.0
+        for front in FRONTS:
+            xs = [float(r) for r, pts in lad["points"].items() if front in pts]
+            if not xs:
+                continue
+            pts = [lad["points"][f"{x:g}"][front] for x in xs]
+            ach = [p["achieved_rps"] for p in pts]
+            p99 = [p["p99_ms"] for p in pts]
+            top = max(top, *xs)
+            ax_rate.plot(xs, ach, "-", color=colors[front], label=front)
+            ax_p99.plot(xs, p99, "-", color=colors[front], label=front)
+            for x, a, q, p in zip(xs, ach, p99, pts, strict=True):
+                face = colors[front] if p["sustained"] else "white"
+                ax_rate.plot(x, a, "o", color=colors[front], mfc=face)
+                ax_p99.plot(x, q, "o", color=colors[front], mfc=face)
+            ceiling = lad["ceilings"][front]["max_sustained_rps"]
+            if ceiling and front != "direct":
+                ax_rate.axvline(ceiling, color=colors[front], ls=":", lw=1)
+        dxs = [float(r) for r, pts in lad["points"].items() if "direct" in pts]
+        if dxs:
+            lim = [lad["points"][f"{x:g}"]["direct"]["p99_ms"] + ADDED_P99_LIMIT_MS for x in dxs]
+            ax_p99.plot(dxs, lim, "--", color="tab:red", lw=1, label="direct p99 + 10 ms")
+        ax_rate.plot([0, top], [0, top], ":", color="black", lw=0.8, label="achieved = offered")
+        ax_rate.set(
+            title=f"{mode}: achieved vs offered (hollow = not sustained)",
+            xlabel="offered req/s",
+            ylabel="achieved req/s",
+        )
+        ax_p99.set(
+            title=f"{mode}: p99 latency vs offered",
+            xlabel="offered req/s",
+            ylabel="p99 ms (from scheduled send)",
+            yscale="log",
+        )
+        for ax in (ax_rate, ax_p99):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle("Throughput ceiling, instant upstreams, 64 connections (medians)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_upstream"]:
+        return upstream_main(argv[1:])
+    if argv[:1] == ["_client"]:
+        return client_main(argv[1:])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke: short points, no writes")
+    parser.add_argument(
+        "--rates",
+        default=",".join(str(r) for r in DEFAULT_RATES),
+        help="offered req/s ladder, comma-separated",
+    )
+    parser.add_argument("--reps", type=int, default=3, help="repetitions per point")
+    parser.add_argument("--seconds", type=float, default=3.0, help="per paced point")
+    parser.add_argument("--min-requests", type=int, default=2000, help="per paced point")
+    parser.add_argument("--closed-seconds", type=float, default=2.0, help="per closed run")
+    parser.add_argument("--profile-seconds", type=float, default=15.0, help="0 = no profile")
+    parser.add_argument("--modes", default=",".join(MODES), help="non-streaming,streaming")
+    parser.add_argument("--placement", choices=("split", "none"), default="split")
+    parser.add_argument(
+        "--stream-writes",
+        choices=("event", "one"),
+        default="event",
+        help="upstream writes each SSE event separately (default) or a stream in one write",
+    )
+    parser.add_argument("--budget-s", type=float, default=690.0, help="whole run, seconds")
+    parser.add_argument("--no-router", action="store_true", help="skip vllm-router")
+    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rates, args.reps, args.seconds, args.min_requests = "500,1000,2000", 1, 1.0, 500
+        args.closed_seconds, args.profile_seconds, args.budget_s = 1.0, 3.0, 150.0
+        args.no_write = True
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(unknown)}")
+
+    clock = Clock(args.budget_s)
+    info = overhead.machine_info(args.placement)
+    info["packages"]["py-spy"] = overhead._version("py-spy")  # type: ignore[index]
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"ceiling-{os.getpid()}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    profile_reserve = 2 * args.profile_seconds + 25 if args.profile_seconds else 0.0
+    out_svg = (args.out_dir if not args.no_write else log_dir) / "ceiling-profile.svg"
+    out_svg.parent.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    profile: dict[str, Any] | None = None
+    fleet_args = (args.placement, not args.no_router, log_dir, args.stream_writes)
+    with fleet_up(*fleet_args) as (fleet, fronts, pids):
+        for mode in modes:  # warm-up: connections, pools, allocators
+            for front in fronts:
+                run_client(
+                    fleet,
+                    fronts[front],
+                    stream=mode == MODES[1],
+                    rate=0,
+                    requests=2000,
+                    max_seconds=10,
+                    pid=pids[front],
+                )
+        closed = {
+            mode: closed_loop(
+                fleet,
+                fronts,
+                pids,
+                stream=mode == MODES[1],
+                reps=args.reps,
+                seconds=args.closed_seconds,
+            )
+            for mode in modes
+        }
+        for i, mode in enumerate(modes):
+            left = args.budget_s - clock.elapsed() - profile_reserve
+            deadline = clock.elapsed() + left / (len(modes) - i)
+            lad = ladder(
+                fleet,
+                fronts,
+                pids,
+                stream=mode == MODES[1],
+                rates=rates,
+                reps=args.reps,
+                seconds=args.seconds,
+                min_requests=args.min_requests,
+                clock=clock,
+                deadline_s=deadline,
+            )
+            results[mode] = {"closed_loop": closed[mode], "ladder": lad}
+        if args.profile_seconds and MODES[0] in results:
+            ceiling = results[MODES[0]]["ladder"]["ceilings"]["gateway"]["max_sustained_rps"]
+            profile = profile_gateway(
+                fleet,
+                fronts["gateway"],
+                pids["gateway"],
+                ceiling or rates[0],
+                seconds=args.profile_seconds,
+                out_svg=out_svg,
+            )
+    load_end = os.getloadavg() if hasattr(os, "getloadavg") else None
+    report: dict[str, Any] = {
+        "machine": info,
+        "config": {
+            "rates": rates,
+            "reps": args.reps,
+            "seconds": args.seconds,
+            "min_requests": args.min_requests,
+            "closed_seconds": args.closed_seconds,
+            "connections": CONNECTIONS,
+            "stream_tokens": STREAM_TOKENS,
+            "stream_writes": args.stream_writes,
+            "rule": {
+                "min_achieved_ratio": MIN_ACHIEVED,
+                "max_late_fraction": MAX_LATE,
+                "max_added_p99_ms": ADDED_P99_LIMIT_MS,
+                "stop_after_failures": 2,
+            },
+            "placement": args.placement,
+            "placement_detail": (
+                f"front alone on CPU {overhead.FRONT_CPU}; client, both upstreams and py-spy "
+                f"on CPU {overhead.CLIENT_CPU}"
+                if args.placement == "split"
+                else "unpinned"
+            ),
+            "quick": args.quick,
+            "elapsed_s": round(clock.elapsed(), 1),
+            "loadavg_at_end": load_end,
+            "note": "Development run on a shared, noisy machine: not the committed figures."
+            if args.quick
+            else "",
+        },
+        "modes": results,
+        "profile": profile,
+    }
+    text = render(report)
+    print(text)
+    if not args.no_write:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "ceiling.json").write_text(json.dumps(report, indent=1) + "\n")
+        (args.out_dir / "ceiling.md").write_text(text)
+        plot(report, args.out_dir / "ceiling.png")
+    else:
+        plot(report, log_dir / "ceiling.png")
+        print(f"(--no-write: plot and profile in {log_dir})", file=sys.stderr)
+    # A front failing under overload is a result; errors on direct or the gateway are not.
+    errors = sum(
+        p["errors"]
+        for res in results.values()
+        for pts in res["ladder"]["points"].values()
+        for front, p in pts.items()
+        if front in ("direct", "gateway")
+    )
+    return 0 if errors == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
