@@ -621,7 +621,12 @@ _ECHO_HOP = [
     (b"Proxy-Connection", b"keep-alive"),
     (b"Trailer", b"X-Checksum"),
     (b"X-Echo-Custom", b"kept"),
+    # Not hop-by-hop, but the gateway's to set: the replica's values must not pass.
+    (b"X-Request-Id", b"from-the-replica"),
+    (b"X-Gateway-Replica", b"99"),
 ]
+_ECHO_SEEN: list[dict[str, Any]] = []
+"""Every request the echo replica received (``GET /echo/requests`` returns them)."""
 
 
 def _echo_payload(method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
@@ -647,7 +652,12 @@ async def _echo_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
             length = next((int(v) for k, v in headers if k.lower() == "content-length"), 0)
             body = await reader.readexactly(length) if length else b""
             extra: list[tuple[bytes, bytes]] = []
-            if target == "/health":
+            if target not in ("/health", "/echo/requests"):
+                shown = json.loads(_echo_payload(method, target, headers, body))
+                _ECHO_SEEN.append(shown)
+            if target == "/echo/requests":
+                payload, ctype = json.dumps(_ECHO_SEEN).encode(), b"application/json"
+            elif target == "/health":
                 payload, ctype = b"", b"text/plain"
             elif target == "/v1/models":
                 payload = json.dumps({"object": "list", "data": [
