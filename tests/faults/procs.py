@@ -441,10 +441,12 @@ async def fleet(
     log_level: str = "INFO",
     echo: bool = False,
     check_secrets: bool = True,
+    userinfo: str | None = None,
 ) -> AsyncIterator[Fleet]:
     """``n`` sim replicas (or echo replicas) behind one gateway, all subprocesses.
 
-    ``settings`` become ``GATEWAY_<NAME>`` variables (for settings without a flag).
+    ``settings`` become ``GATEWAY_<NAME>`` variables (for settings without a flag);
+    ``userinfo`` (``user:password``) is put into the replica URLs the gateway is given.
     On a clean exit, the fleet's logs and captured responses are checked for secrets.
     """
     log_dir = tmp_path / "procs"
@@ -460,7 +462,8 @@ async def fleet(
             "--admin-key", ADMIN_KEY, "--health-interval-s", str(health_interval_s),
             "--log-format", "json", "--log-level", log_level, *gateway_args]  # fmt: skip
     for sim in sims:
-        argv += ["--replica", sim.url]
+        url = sim.url.replace("://", f"://{userinfo}@") if userinfo else sim.url
+        argv += ["--replica", url]
     env = _clean_env({f"GATEWAY_{k.upper()}": str(v) for k, v in (settings or {}).items()})
     gateway = Replica("gateway", argv, log_dir, env=env, port=gw_port)
     capture = Capture()
