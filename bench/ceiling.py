@@ -1,7 +1,9 @@
 """Throughput ceiling: the highest request rate each front sustains, side by side in one run.
 
 Fronts: ``direct`` (upstream 1 itself), ``gateway`` (the current tree, ``--log-level
-WARNING``) and ``vllm-router`` (Rust, ``round_robin``), all in front of the SAME two instant
+WARNING``), ``vllm-router`` (Rust, ``round_robin``) and, non-streaming only, ``passthrough``:
+the smallest proxy on the gateway's own stack (``_passthrough`` below), i.e. the floor a
+Python gateway on uvicorn + aiohttp cannot go below. All sit in front of the SAME two instant
 upstreams, which this script runs itself (``_upstream`` below): a non-streaming request gets
 ``bench/instant_upstream.py``'s canned ~0.9 KB completion; a request with ``"stream": true``
 gets 16 vLLM-shaped SSE token events and ``data: [DONE]``, each event its own HTTP chunk and
@@ -13,12 +15,13 @@ Per mode (non-streaming, streaming):
 * **closed loop**, 64 in flight for ``--closed-seconds``: reference req/s per front;
 * **ladder**: open-loop paced load (``bench.loadgen.run_paced``, 64 connections, latency
   from the *scheduled* send, so no coordinated omission) at each offered rate of
-  ``--rates``; each rate is run ``--reps`` times interleaved across fronts (ABC BCA CAB) and
-  the medians decide. A front *sustains* a rate when it achieved >= 97 % of it, <= 1 % of
-  sends were late, nothing was unsent, nothing failed and (not for direct) its p99 minus
-  direct's p99 in the same repetition is <= 10 ms. A front's ladder stops after its second
-  failed rate; the ladder stops for every front if direct fails (the harness's own limit).
-  Max sustained rate = the highest rate sustained. A streaming request counts as complete
+  ``--rates`` (streaming: ``--stream-rates``, finer and lower); each rate is run ``--reps``
+  times interleaved across fronts (ABC BCA CAB) and the medians decide. A front *sustains*
+  a rate when it achieved >= 97 % of it, <= 1 % of sends were late, nothing was unsent,
+  nothing failed and (not for direct) its p99 minus direct's p99 in the same repetition is
+  <= 10 ms. A front's ladder stops after its second failed rate; the ladder stops for every
+  front if direct fails (the harness's own limit). Max sustained rate = the highest rate
+  sustained. A streaming request counts as complete
   at ``data: [DONE]``; a stream without all 16 events and ``[DONE]`` is an error.
 
 Then the gateway is profiled with py-spy at its non-streaming ceiling: a flame graph
@@ -69,8 +72,11 @@ from overhead import BIN, PY, Fleet, cpu_ns, free_port, med, wait_ready  # noqa:
 CONNECTIONS = 64
 STREAM_TOKENS = 16
 MODES = ("non-streaming", "streaming")
-FRONTS = ("direct", "gateway", "vllm-router")
+FRONTS = ("direct", "passthrough", "gateway", "vllm-router")
+PASSTHROUGH_MODES = ("non-streaming",)  # the floor matters for the 3,000 req/s target
 DEFAULT_RATES = (500, 1000, 1500, 2000, 2500, 3000, 4000, 5000, 6000, 8000)
+# Streams cost every front more per request: a finer ladder lower down.
+DEFAULT_STREAM_RATES = (250, 500, 750, 1000, 1500, 2000, 3000, 4000, 5000, 6000)
 ADDED_P99_LIMIT_MS = 10.0
 MIN_ACHIEVED = 0.97
 MAX_LATE = 0.01
@@ -178,6 +184,77 @@ def upstream_main(argv: list[str]) -> int:
             await server.serve_forever()
 
     uvloop.run(serve())
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The stack's floor, run as `ceiling.py _passthrough --port P --replica U ...`: the smallest
+# proxy on the gateway's own stack (uvicorn + uvloop + httptools, raw ASGI, one aiohttp
+# session set up like gateway/upstream.py, round robin), with no routing, metrics, header
+# hygiene or error handling. What it sustains bounds what any gateway on this stack can.
+
+
+def passthrough_main(argv: list[str]) -> int:
+    import itertools
+    import socket
+
+    import aiohttp
+    import uvicorn
+    from yarl import URL
+
+    parser = argparse.ArgumentParser(prog="ceiling.py _passthrough")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--replica", action="append", required=True)
+    args = parser.parse_args(argv)
+    bases = [u.rstrip("/") for u in args.replica]
+    turn = itertools.cycle(range(len(bases)))
+    urls: dict[tuple[int, str], URL] = {}
+    state: dict[str, aiohttp.ClientSession] = {}
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (msg := await receive())["type"] != "lifespan.shutdown":
+                state["session"] = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                    cookie_jar=aiohttp.DummyCookieJar(),
+                    auto_decompress=False,
+                    skip_auto_headers=("User-Agent",),
+                )
+                await send({"type": "lifespan.startup.complete"})
+            await state["session"].close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+        key = (next(turn), scope["path"])
+        url = urls.get(key) or urls.setdefault(key, URL(bases[key[0]] + key[1], encoded=True))
+        headers = {"content-type": "application/json"} if body else {}
+        async with state["session"].request(
+            scope["method"], url, data=body or None, headers=headers
+        ) as resp:
+            out = [(b"content-type", resp.headers.get("content-type", "").encode())]
+            if resp.content_length is None:  # SSE: relay as it comes
+                await send({"type": "http.response.start", "status": resp.status, "headers": out})
+                async for chunk in resp.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            data = await resp.read()
+            out.append((b"content-length", str(len(data)).encode()))
+            await send({"type": "http.response.start", "status": resp.status, "headers": out})
+            await send({"type": "http.response.body", "body": data})
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as gateway/serving.py
+    sock.bind(("127.0.0.1", args.port))
+    config = uvicorn.Config(
+        app, loop="uvloop", http="httptools", access_log=False, log_level="warning"
+    )
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 
@@ -363,9 +440,15 @@ def run_client(
 
 @contextlib.contextmanager
 def fleet_up(
-    placement: str, with_router: bool, log_dir: Path, stream_writes: str = "event"
+    placement: str,
+    log_dir: Path,
+    *,
+    with_router: bool = True,
+    with_passthrough: bool = True,
+    stream_writes: str = "event",
 ) -> Iterator[tuple[Fleet, dict[str, str], dict[str, int]]]:
-    """Two upstreams, the gateway and vllm-router (same flags as ``bench/overhead.py``)."""
+    """Two upstreams, the gateway and vllm-router (same flags as ``bench/overhead.py``) and
+    the minimal pass-through; every front on the front core."""
     fleet = Fleet(placement, log_dir)
     try:
         ups = []
@@ -391,6 +474,15 @@ def fleet_up(
         gw = fleet.start("gateway", gw_argv, "front")
         fronts["gateway"] = f"http://127.0.0.1:{gw_port}"
         pids["gateway"] = gw.popen.pid
+        passthrough = None
+        if with_passthrough:
+            pt_port = free_port()
+            pt_argv = ["_passthrough", "--port", str(pt_port)]
+            for url in up_urls:
+                pt_argv += ["--replica", url]
+            passthrough = fleet.start("passthrough", _script(*pt_argv), "front")
+            fronts["passthrough"] = f"http://127.0.0.1:{pt_port}"
+            pids["passthrough"] = passthrough.popen.pid
 
         router_bin = BIN / "vllm-router"
         if not router_bin.exists() and shutil.which("vllm-router"):
@@ -420,6 +512,8 @@ def fleet_up(
             fronts["vllm-router"] = f"http://127.0.0.1:{rport}"
             pids["vllm-router"] = router.popen.pid
         wait_ready(fronts["gateway"] + "/health", gw)
+        if passthrough is not None:
+            wait_ready(fronts["passthrough"] + "/health", passthrough)
         if router is not None:
             wait_ready(fronts["vllm-router"] + "/health", router, timeout=60)
         yield fleet, fronts, pids
@@ -481,6 +575,7 @@ def summarize_point(runs: list[dict[str, Any]], direct: list[dict[str, Any]]) ->
         "max_in_flight": int(max(col("max_in_flight"), default=0)),
         "front_cpu_util": med(col("front_cpu_util")),
         "front_cpu_us_per_req": med(col("front_cpu_us_per_req")),
+        "client_cpu_us_per_req": med(col("client_cpu_us_per_req")),
     }
 
 
@@ -561,6 +656,7 @@ def ladder(
         ceilings[front] = {
             "max_sustained_rps": max(ok) if ok else 0.0,
             "highest_tried_rps": max(tried) if tried else 0.0,
+            "lowest_tried_rps": min(tried) if tried else 0.0,
             "limit_reached": any(
                 not pts[front]["sustained"] for pts in points.values() if front in pts
             ),
@@ -797,9 +893,9 @@ def profile_gateway(
 # Report.
 
 
-def _fmt_rate(value: float, limit_reached: bool, tried: float) -> str:
+def _fmt_rate(value: float, limit_reached: bool, lowest_tried: float) -> str:
     if value <= 0:
-        return f"< {tried:,.0f}" if tried else "n/a"
+        return f"< {lowest_tried:,.0f}" if lowest_tried else "n/a"
     return f"{value:,.0f}" if limit_reached else f">= {value:,.0f} (no failure up to it)"
 
 
@@ -843,7 +939,7 @@ def render(report: dict[str, Any]) -> str:
             ratio_c = f"{cl['rps_vs_vllm_router']:.2f}x" if "rps_vs_vllm_router" in cl else ""
             lines.append(
                 f"| {mode} | {front} | "
-                f"{_fmt_rate(c['max_sustained_rps'], c['limit_reached'], c['highest_tried_rps'])} "
+                f"{_fmt_rate(c['max_sustained_rps'], c['limit_reached'], c['lowest_tried_rps'])} "
                 f"| {cl.get('rps', float('nan')):,.0f} | {ratio_s} / {ratio_c} "
                 f"| {at.get('front_cpu_us_per_req', float('nan')):.0f} "
                 f"| {at.get('front_cpu_util', float('nan')):.0%} |"
@@ -871,7 +967,7 @@ def render(report: dict[str, Any]) -> str:
                     f"| {p['front_cpu_util']:.2f} | {p['front_cpu_us_per_req']:.0f} "
                     f"| {'yes' if p['sustained'] else '**no**'} |"
                 )
-        lines.append("")
+        lines += ["", *render_harness(lad), ""]
     lines += render_profile(report)
     lines += [
         "## Reproduce",
@@ -888,6 +984,21 @@ def render(report: dict[str, Any]) -> str:
         "`bench/results/ceiling.json`; plot: `ceiling.png`; flame graph: `ceiling-profile.svg`.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def render_harness(lad: dict[str, Any]) -> list[str]:
+    """How much the client + upstream side (CPU 0) can drive: read off direct's top rate."""
+    direct = [(float(r), pts["direct"]) for r, pts in lad["points"].items() if "direct" in pts]
+    if not direct:
+        return []
+    rate, p = max(direct, key=lambda rp: rp[0])
+    per_req = p["client_cpu_us_per_req"] + p["front_cpu_us_per_req"]  # client + upstream
+    return [
+        f"Harness headroom: at {rate:,.0f} req/s the load client used "
+        f"{p['client_cpu_us_per_req']:.0f} µs and the upstream {p['front_cpu_us_per_req']:.0f} "
+        f"µs of CPU per request, both on the client core: it can drive ≈ "
+        f"{1e6 / per_req:,.0f} req/s at most (every front costs the client side the same)."
+    ]
 
 
 def render_targets(report: dict[str, Any]) -> list[str]:
@@ -971,6 +1082,17 @@ def render_why(report: dict[str, Any], prof: dict[str, Any]) -> list[str]:
         for layer, d in prof["layers"].items()
         if layer not in ("gateway code", "prometheus-client (gateway metrics)")
     )
+    pt = non.get("ladder", {}).get("ceilings", {}).get("passthrough")
+    pt_closed = non.get("closed_loop", {}).get("summary", {}).get("passthrough", {})
+    floor = (
+        f" The minimal pass-through on the same stack (no routing, metrics or header work) "
+        f"sustained {pt['max_sustained_rps']:,.0f} req/s in this run ("
+        f"{pt_closed.get('rps', float('nan')):,.0f} closed-loop, "
+        f"{pt_closed.get('front_cpu_us_per_req', float('nan')):.0f} µs/req): that is the "
+        "ceiling of the stack itself, before any gateway feature."
+        if pt
+        else ""
+    )
     return [
         "**Why the gateway stops where it does.** It is one Python process (one event loop) "
         f"on one core. {TARGET_RPS:,.0f} req/s leaves {budget:.0f} µs of CPU per request; the "
@@ -980,7 +1102,7 @@ def render_why(report: dict[str, Any], prof: dict[str, Any]) -> list[str]:
         f"The layers the gateway does not own (server, ASGI, aiohttp client, event loop, "
         f"other) take {lib:.0%} of the profile's samples, ≈ {lib * us:.0f} µs/req: with zero "
         f"gateway code the process would still top out near {1e6 / (lib * us):,.0f} req/s on "
-        "this core.",
+        f"this core.{floor}",
         "",
     ]
 
@@ -991,7 +1113,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"direct": "tab:gray", "gateway": "tab:blue", "vllm-router": "tab:orange"}
+    colors = {
+        "direct": "tab:gray",
+        "passthrough": "tab:green",
+        "gateway": "tab:blue",
+        "vllm-router": "tab:orange",
+    }
     modes = [m for m in MODES if m in report["modes"]]
     fig, axes = plt.subplots(len(modes), 2, figsize=(12, 4.2 * len(modes)), squeeze=False)
     for row, mode in enumerate(modes):
@@ -1049,16 +1176,23 @@ def main(argv: list[str] | None = None) -> int:
         return upstream_main(argv[1:])
     if argv[:1] == ["_client"]:
         return client_main(argv[1:])
+    if argv[:1] == ["_passthrough"]:
+        return passthrough_main(argv[1:])
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke: short points, no writes")
     parser.add_argument(
         "--rates",
         default=",".join(str(r) for r in DEFAULT_RATES),
-        help="offered req/s ladder, comma-separated",
+        help="offered req/s ladder, non-streaming, comma-separated",
+    )
+    parser.add_argument(
+        "--stream-rates",
+        default=",".join(str(r) for r in DEFAULT_STREAM_RATES),
+        help="offered req/s ladder, streaming, comma-separated",
     )
     parser.add_argument("--reps", type=int, default=3, help="repetitions per point")
-    parser.add_argument("--seconds", type=float, default=3.0, help="per paced point")
-    parser.add_argument("--min-requests", type=int, default=2000, help="per paced point")
+    parser.add_argument("--seconds", type=float, default=2.5, help="per paced point")
+    parser.add_argument("--min-requests", type=int, default=1000, help="per paced point")
     parser.add_argument("--closed-seconds", type=float, default=2.0, help="per closed run")
     parser.add_argument("--profile-seconds", type=float, default=15.0, help="0 = no profile")
     parser.add_argument("--modes", default=",".join(MODES), help="non-streaming,streaming")
@@ -1071,14 +1205,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--budget-s", type=float, default=690.0, help="whole run, seconds")
     parser.add_argument("--no-router", action="store_true", help="skip vllm-router")
+    parser.add_argument(
+        "--no-passthrough", action="store_true", help="skip the minimal pass-through front"
+    )
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     if args.quick:
         args.rates, args.reps, args.seconds, args.min_requests = "500,1000,2000", 1, 1.0, 500
+        args.stream_rates = "250,500,1000"
         args.closed_seconds, args.profile_seconds, args.budget_s = 1.0, 3.0, 150.0
         args.no_write = True
-    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    ladders = {
+        MODES[0]: [float(r) for r in args.rates.split(",") if r.strip()],
+        MODES[1]: [float(r) for r in args.stream_rates.split(",") if r.strip()],
+    }
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}")
@@ -1093,13 +1234,25 @@ def main(argv: list[str] | None = None) -> int:
     out_svg.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     profile: dict[str, Any] | None = None
-    fleet_args = (args.placement, not args.no_router, log_dir, args.stream_writes)
-    with fleet_up(*fleet_args) as (fleet, fronts, pids):
+    fleet_kw = {
+        "with_router": not args.no_router,
+        "with_passthrough": not args.no_passthrough,
+        "stream_writes": args.stream_writes,
+    }
+    with fleet_up(args.placement, log_dir, **fleet_kw) as (fleet, all_fronts, pids):
+
+        def fronts_for(mode: str) -> dict[str, str]:
+            return {
+                f: u
+                for f, u in all_fronts.items()
+                if f != "passthrough" or mode in PASSTHROUGH_MODES
+            }
+
         for mode in modes:  # warm-up: connections, pools, allocators
-            for front in fronts:
+            for front, url in fronts_for(mode).items():
                 run_client(
                     fleet,
-                    fronts[front],
+                    url,
                     stream=mode == MODES[1],
                     rate=0,
                     requests=2000,
@@ -1109,7 +1262,7 @@ def main(argv: list[str] | None = None) -> int:
         closed = {
             mode: closed_loop(
                 fleet,
-                fronts,
+                fronts_for(mode),
                 pids,
                 stream=mode == MODES[1],
                 reps=args.reps,
@@ -1118,14 +1271,16 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes
         }
         for i, mode in enumerate(modes):
+            # Time left, shared by the remaining modes in proportion to their fronts.
             left = args.budget_s - clock.elapsed() - profile_reserve
-            deadline = clock.elapsed() + left / (len(modes) - i)
+            weights = [len(fronts_for(m)) for m in modes[i:]]
+            deadline = clock.elapsed() + left * weights[0] / sum(weights)
             lad = ladder(
                 fleet,
-                fronts,
+                fronts_for(mode),
                 pids,
                 stream=mode == MODES[1],
-                rates=rates,
+                rates=ladders[mode],
                 reps=args.reps,
                 seconds=args.seconds,
                 min_requests=args.min_requests,
@@ -1137,9 +1292,9 @@ def main(argv: list[str] | None = None) -> int:
             ceiling = results[MODES[0]]["ladder"]["ceilings"]["gateway"]["max_sustained_rps"]
             profile = profile_gateway(
                 fleet,
-                fronts["gateway"],
+                all_fronts["gateway"],
                 pids["gateway"],
-                ceiling or rates[0],
+                ceiling or ladders[MODES[0]][0],
                 seconds=args.profile_seconds,
                 out_svg=out_svg,
             )
@@ -1147,7 +1302,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "machine": info,
         "config": {
-            "rates": rates,
+            "rates": {m: ladders[m] for m in modes},
+            "mean_run_overhead_s": round(clock.per_run_overhead(), 2),
             "reps": args.reps,
             "seconds": args.seconds,
             "min_requests": args.min_requests,
