@@ -33,7 +33,7 @@ share of its core in use (``/proc/PID/task/*/schedstat``) are recorded at every 
 Placement (``--placement split``, as ``bench/overhead.py``): the front under test alone on
 CPU 1; the load client, both upstreams and py-spy on CPU 0.
 
-    .venv/bin/python bench/ceiling.py            # full run, <= ~12 minutes (make bench-ceiling)
+    .venv/bin/python bench/ceiling.py            # full run, ~10-11.5 min (make bench-ceiling)
     .venv/bin/python bench/ceiling.py --quick    # smoke, ~1-2 minutes, writes nothing
 
 Writes ``bench/results/ceiling.{json,md,png}`` and ``ceiling-profile.svg`` (``--out-dir``).
@@ -979,7 +979,7 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"Gateway: git {machine['git_head']}"
         + (" + uncommitted gateway/ changes" if machine["gateway_tree_dirty"] else "")
-        + ", flags `--log-level WARNING` (default router least_loaded); vllm-router "
+        + ", flags `--log-level WARNING` (default router: prefix affinity); vllm-router "
         f"{machine['packages'].get('vllm-router')} `--policy round_robin`. Raw data: "
         "`bench/results/ceiling.json`; plot: `ceiling.png`; flame graph: `ceiling-profile.svg`.",
     ]
@@ -1203,7 +1203,7 @@ def main(argv: list[str] | None = None) -> int:
         default="event",
         help="upstream writes each SSE event separately (default) or a stream in one write",
     )
-    parser.add_argument("--budget-s", type=float, default=690.0, help="whole run, seconds")
+    parser.add_argument("--budget-s", type=float, default=660.0, help="whole run, seconds")
     parser.add_argument("--no-router", action="store_true", help="skip vllm-router")
     parser.add_argument(
         "--no-passthrough", action="store_true", help="skip the minimal pass-through front"
