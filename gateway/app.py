@@ -33,7 +33,7 @@ from gateway.adapters.state import AdapterPolicy
 from gateway.admission import Admission
 from gateway.config import ReplicaSpec, Settings
 from gateway.discovery import Discovery, diff_membership
-from gateway.errors import GatewayError, UpstreamUnavailable, error_body
+from gateway.errors import GatewayError, NotFound, UpstreamUnavailable, error_body
 from gateway.metrics import Metrics
 from gateway.outliers import BreakerState, OutlierDetector, OutlierEvent
 from gateway.relay import ClientDisconnected
@@ -176,6 +176,10 @@ class Gateway:
             result = await self.upstream.call(
                 index, "GET", "/health", timeout=self.settings.health_timeout_s
             )
+        except ReplicaConnectError as exc:
+            if exc.kind == "connect":  # refused: as conclusive as on a request
+                self.on_connect_failure(index, exc.kind)
+            return False
         except GatewayError:
             return False
         return result.status == 200
@@ -316,6 +320,11 @@ async def _gateway_error(request: Request, exc: Exception) -> Response:
     return error_response(exc)
 
 
+async def _not_found(request: Request, exc: Exception) -> Response:
+    """Paths no route matches (e.g. an encoded newline): still an OpenAI-style 404."""
+    return error_response(NotFound(f"No route for {request.method} {request.url.path!r}."))
+
+
 async def _client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)  # nobody is listening; nothing is sent
 
@@ -369,6 +378,7 @@ def create_app(settings: Settings) -> FastPath:
         lifespan=lifespan,
         exception_handlers={
             GatewayError: _gateway_error,
+            404: _not_found,
             ClientDisconnected: _client_gone,
             Exception: _unexpected_error,
         },

@@ -108,7 +108,7 @@ def _serve_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="lora_path must resolve inside DIR (repeatable)",
     )
-    add("--router", help="routing policy (default least_loaded)")
+    add("--router", help="routing policy: prefix (default), least_loaded, round_robin, random")
     add("--config", metavar="FILE", help="YAML file with any of these settings")
     add("--log-format", choices=["text", "json"], help="log line format (default text)")
     add("--log-level", help="logging level (default INFO)")
@@ -144,7 +144,7 @@ def serve(argv: Sequence[str]) -> int:
     try:
         settings = load_settings(args, config_file=config_file)
     except (ValueError, OSError) as exc:
-        print(f"rollout-gateway serve: invalid configuration: {exc}", file=sys.stderr)
+        print(f"rollout-gateway serve: invalid configuration: {_describe(exc)}", file=sys.stderr)
         return 2
     if not (settings.replicas or settings.discovery_dns or settings.replicas_file):
         print(
@@ -173,6 +173,19 @@ def serve(argv: Sequence[str]) -> int:
     server = _draining_server(config)
     server.run(sockets=[listen_socket(settings.host, settings.port)])
     return 0 if server.started else 3
+
+
+def _describe(exc: ValueError | OSError) -> str:
+    """The error without the offending *values*: they may be secrets (a token in the
+    wrong field, a replica URL with a password)."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}"
+            for e in exc.errors(include_input=False, include_url=False)
+        )
+    return str(exc)
 
 
 def _draining_server(config: uvicorn.Config) -> uvicorn.Server:

@@ -104,7 +104,9 @@ class Settings(BaseSettings):
         default_factory=list, description="lora_path must resolve inside one of these."
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
-    log_level: str = Field("INFO", description="stdlib logging level.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "INFO", description="stdlib logging level."
+    )
     router: str = Field(
         "prefix", description="Routing policy: prefix, least_loaded, round_robin or random."
     )
@@ -197,6 +199,11 @@ class Settings(BaseSettings):
                 return yaml.safe_load(text)
             return [part for part in (p.strip() for p in text.split(",")) if part]
         return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_level(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
 
     @field_validator("routing", mode="before")
     @classmethod

@@ -51,6 +51,7 @@ from gateway.errors import (
     PayloadTooLarge,
     TooManyRequests,
     Unauthorized,
+    UpstreamError,
     UpstreamUnavailable,
 )
 from gateway.logs import REQUEST_ID
@@ -319,6 +320,10 @@ async def dispatch(
             if not ejected:
                 raise
             gw.metrics.aborted.inc()
+        except UpstreamError as exc:  # timeout, or broken mid-body: the replica's fault
+            _abandon(gw, pick, index, task)
+            gw.record_status(index, exc.status)
+            raise
         except BaseException:
             _abandon(gw, pick, index, task)
             raise

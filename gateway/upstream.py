@@ -98,7 +98,9 @@ def make_session(settings: Settings) -> aiohttp.ClientSession:
         cookie_jar=aiohttp.DummyCookieJar(),  # a proxy must not keep cookies
         auto_decompress=False,  # relay bytes exactly as the replica sent them
         trust_env=False,
-        skip_auto_headers=("User-Agent",),
+        # Send only what the client sent: an added Accept-Encoding would let a compressing
+        # replica hand clients gzip they never asked for (bytes are relayed as they are).
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
     )
 
 

@@ -125,3 +125,26 @@ async def test_ejection_ends_streams_in_flight_with_an_sse_error() -> None:
         assert "[DONE]" not in "".join(rest)
         assert await until(lambda: c.gateway.pool[0].in_flight == 0)
         assert await until(lambda: c.sim(0).running == 0)  # the upstream generation was aborted
+
+
+async def test_timeouts_count_as_outlier_errors() -> None:
+    settings = {"router": "least_loaded", "read_timeout_s": 0.3,
+                "outlier_consecutive_errors": 2}  # fmt: skip
+    async with cluster(2, **settings) as c, httpx.AsyncClient(base_url=c.url) as client:
+        c.sim(0).faults.completion_hang = -1  # /health still passes
+        codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(4)]
+        assert codes == [504, 504, 200, 200], codes
+        assert c.gateway.outliers.states()[0] is BreakerState.OPEN
+        assert c.gateway.pool[0].in_flight == 0
+        c.sim(0).clear_faults()
+
+
+async def test_idle_replica_refusing_a_probe_is_ejected_at_once() -> None:
+    async with cluster(2, health_interval_s=0.2, unhealthy_threshold=5) as c:
+        await c.replicas[1].stop()
+        t0 = time.monotonic()
+        assert await until(lambda: not c.gateway.pool[1].up, timeout=3)
+        assert time.monotonic() - t0 < 0.6  # one probe, not five
+        async with httpx.AsyncClient(base_url=c.url) as client:
+            metrics = (await client.get("/metrics")).text
+        assert metric(metrics, 'gateway_replica_ejections_total{cause="passive",replica="1"}') == 1

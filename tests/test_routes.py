@@ -162,6 +162,14 @@ async def test_wrong_method_is_405_with_allow() -> None:
         assert r.json()["error"]["code"] == 405
 
 
+async def test_unroutable_path_is_an_openai_404() -> None:
+    async with cluster(1) as c, httpx.AsyncClient(base_url=c.url) as client:
+        r = await client.get("/v1/models%0D%0AX-Injected:%201")
+        assert r.status_code == 404
+        assert r.json()["error"]["type"] == "NotFoundError"
+        assert "x-injected" not in r.headers
+
+
 async def test_other_paths_are_forwarded() -> None:
     async with cluster(2) as c, httpx.AsyncClient(base_url=c.url) as client:
         r = await client.post("/tokenize", json={"model": "tiny-base", "prompt": "hello"})

@@ -32,7 +32,7 @@ from gateway.adapters.state import (
     Outcome,
     Result,
 )
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, UpstreamTimeout
 
 __all__ = ["Executor", "ReplicaCaller", "ResponseLike", "classify", "perform"]
 
@@ -104,7 +104,9 @@ async def perform(upstream: ReplicaCaller, action: Action, timeout: float) -> Re
         response = await upstream.call(
             action.replica, "POST", path, body=orjson.dumps(payload), timeout=timeout
         )
-    except GatewayError as exc:  # unreachable, timeout, reset mid-response
+    except UpstreamTimeout:  # alive, but too slow: a failure the trainer must hear about
+        return Result(Outcome.TIMED_OUT, None, f"no answer within {timeout:g}s")
+    except GatewayError as exc:  # unreachable, reset mid-response
         return Result(Outcome.UNREACHABLE, None, exc.message)
     return Result(classify(response.status), response.status, detail(response.content))
 

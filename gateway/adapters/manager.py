@@ -161,6 +161,13 @@ def _error(settled: Settlement, path: str, deadline: float, replaced: bool) -> G
             f"Loading LoRA adapter '{name}' timed out: {_replicas(failed)} still found no "
             f"adapter at {path!r} after {deadline:g}s (shared filesystem not caught up?)." + undo
         )
+    if settled.failure is Failure.TIMEOUT:
+        return UpstreamTimeout(
+            f"Loading LoRA adapter '{name}' timed out on {_replicas(failed)}: "
+            + "; ".join(f"replica {r}: {res.detail}" for r, res in settled.failures)
+            + "."
+            + undo
+        )
     reasons = "; ".join(
         f"replica {r}: " + (f"HTTP {res.status}: " if res.status else "") + res.detail
         for r, res in settled.failures

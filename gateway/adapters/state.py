@@ -228,7 +228,8 @@ class Outcome(StrEnum):
     NOT_FOUND = "not_found"  # load: 404 "No adapter found" (mount lag); unload: 404 = gone
     REJECTED = "rejected"  # other 4xx, e.g. 400 duplicate name without load_inplace
     FAILED = "failed"  # 5xx and anything unexpected
-    UNREACHABLE = "unreachable"  # connect error / timeout: state on that replica unknown
+    UNREACHABLE = "unreachable"  # connection failed: the replica is gone, state unknown
+    TIMED_OUT = "timed_out"  # alive but no answer in time: a failure, and state unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +250,7 @@ class ListedAdapter:
 class Failure(StrEnum):
     REJECTED = "rejected"  # a replica refused for real -> 502
     NOT_FOUND_TIMEOUT = "not_found_timeout"  # mount lag past the deadline -> 504
+    TIMEOUT = "timeout"  # a replica did not answer the load in time -> 504
     NO_REPLICAS = "no_replicas"  # nothing admitted to load onto -> 503
 
 
@@ -613,6 +615,10 @@ class AdapterRegistry:
             actions = self._on_load(rec, action, op, result, now)
         else:
             actions = self._on_unload(rec, action, result, now)
+        if result.outcome is Outcome.TIMED_OUT and self._replicas[r].state is not ReplicaState.DOWN:
+            # It may still apply the call later: re-read what it holds before trusting it.
+            self.counts["replica.timed_out"] += 1
+            actions += self._demote(r, now)
         return actions + self._progress(rec, now) + self._sync_step(r, now) + self._due(now)
 
     # ---------------------------------------------------------- internals
@@ -678,8 +684,10 @@ class AdapterRegistry:
         if rec.state in (AdapterState.LOADING, AdapterState.REPLACING) and r in rec.targets:
             if not ok:
                 rec.failures[r] = result
-                not_found = outcome is Outcome.NOT_FOUND
-                failure = Failure.NOT_FOUND_TIMEOUT if not_found else Failure.REJECTED
+                failure = {
+                    Outcome.NOT_FOUND: Failure.NOT_FOUND_TIMEOUT,
+                    Outcome.TIMED_OUT: Failure.TIMEOUT,
+                }.get(outcome, Failure.REJECTED)
                 return self._fail(rec, failure, now)
             return []
         if rec.state is AdapterState.ROLLING_BACK and r in rec.targets:

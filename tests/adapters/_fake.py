@@ -52,6 +52,7 @@ def _fault(outcome: Outcome) -> Result:
         Outcome.REJECTED: 400,
         Outcome.FAILED: 500,
         Outcome.UNREACHABLE: None,
+        Outcome.TIMED_OUT: None,
     }[outcome]
     return Result(outcome, status, f"injected {outcome.value}")
 

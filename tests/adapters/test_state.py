@@ -125,6 +125,25 @@ def test_real_failure_rolls_back_accepted_replicas() -> None:
     assert core.candidates("p-v1") == frozenset()
 
 
+def test_timeout_fails_the_load_rolls_back_and_rechecks_the_slow_replica() -> None:
+    core, fakes = make(3)
+    fakes[1].load_faults = [Outcome.TIMED_OUT]
+    drive(core, fakes, core.request_load("p-v1", "/r/p-v1", inplace=False, now=0.0), 0.0)
+    settled = core.take_settlement("p-v1")
+    assert settled is not None and not settled.ok
+    assert settled.failure is Failure.TIMEOUT
+    assert settled.rolled_back == (0, 2)
+    assert core.candidates("p-v1") == frozenset()
+    # The slow replica may apply the load after all: it is re-read before it is trusted.
+    assert core.replica_state(1) is ReplicaState.SYNCING
+    fakes[1].held["p-v1"] = "/r/p-v1"  # the late load landed
+    actions = core.observe(1, fakes[1].listing(), 5.0)
+    assert [type(a) for a in actions] == [UnloadOnReplica]
+    drive(core, fakes, actions, 5.0)
+    assert not fakes[1].held
+    assert core.replica_state(1) is ReplicaState.UP
+
+
 def test_not_found_three_times_then_ok_goes_live() -> None:
     core, fakes = make(2)
     fakes[1].load_faults = [Outcome.NOT_FOUND] * 3

@@ -138,38 +138,37 @@ async def test_engine_error_on_one_replica_rolls_back_everywhere(f: Fleet) -> No
     assert ok.status_code == 200, ok.text
 
 
-async def test_load_timeout_on_one_replica_keeps_it_out_until_reconciled(f: Fleet) -> None:
-    """A replica that does not answer the load within ``broadcast_timeout_s`` is treated
-    as unreachable (docs/adapters.md, "Load fan-out" step 5): the load goes live on the
-    others, and the slow replica gets no request for the adapter until it is reconciled
-    and holds it. (The issue's table asks for a rollback and an error here instead; see
-    the suite's report.) What must hold either way: no request ever reaches a replica that
-    lacks the adapter, and the fleet converges."""
+async def test_load_timeout_on_one_replica_rolls_back_with_a_504(f: Fleet) -> None:
+    """A replica that does not answer the load within ``broadcast_timeout_s`` fails it:
+    the others are rolled back, the trainer gets a 504 naming the replica, and nobody ever
+    sees the version live. The slow replica may still apply the load late; TRL's retry of
+    the same name then reloads it in place everywhere (the core reads the 400 "already
+    loaded" as a stale view), so the fleet converges either way."""
     late = BROADCAST_TIMEOUT_S + 1.0
     await f.faults(1, load_delay_s=late)
     watcher = Watcher(f, "slow-v1").start()
-    checks = 0
     try:
+        t0 = time.monotonic()
         r = await f.load("slow-v1")
-        answered = time.monotonic()
-        assert r.status_code == 200, r.text
-
-        async def converged() -> bool:
-            nonlocal checks
-            checks += 1
-            routable = await _routable(f, "slow-v1")
-            holding = await _held_anywhere(f, "slow-v1")
-            assert set(routable) <= set(holding), (routable, holding)
-            return routable == holding == [0, 1, 2]
-
-        await wait_until(converged, late + 5.0, "replica 1 reconciled", interval=0.05)
+        took = time.monotonic() - t0
+        await watcher.rounds(2)
     finally:
         await watcher.stop()
-    assert checks >= 3
-    before = {status for _, end, status in watcher.sent if end < answered - 0.05}
-    after = {status for start, _, status in watcher.sent if start > answered}
-    assert before == {404} and after == {200}, watcher.sent
-    assert "slow-v1" in await f.held(1)
+    assert r.status_code == 504, r.text
+    message = str(_error(r)["message"])
+    assert "timed out on replica 1" in message and "no answer within" in message, message
+    assert "Rolled back on replicas 0, 2" in message, message
+    assert took < late, took  # answered at the timeout, not when the replica woke up
+    assert set(watcher.completions) == {404} and not any(watcher.listed), watcher.completions
+    assert await _held_anywhere(f, "slow-v1") in ([], [1])  # 1 only if its late load landed
+
+    # The trainer retries the load (TRL retries every >= 400): it goes live everywhere.
+    await f.clear_faults(1)
+    await asyncio.sleep(late - took + 0.2)  # let the late load land first: the worst case
+    retry = await f.load("slow-v1")
+    assert retry.status_code == 200, retry.text
+    assert await _held_anywhere(f, "slow-v1") == [0, 1, 2]
+    assert sorted(await _routable(f, "slow-v1")) == [0, 1, 2]
 
 
 async def _routable(f: Fleet, name: str) -> list[int]:

@@ -105,8 +105,12 @@ def test_configuration_errors_do_not_echo_secrets(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(UPSTREAM_TOKEN)
     missing = str(tmp_path / "none.yaml")
+    yaml_token = tmp_path / "numeric-token.yaml"
+    yaml_token.write_text("upstream_token: 8675309\n")  # wrong type: a number
     for bad in (["--max-staleness", "-1"], ["--health-interval-s", "0"],
-                ["--replica", "http://127.0.0.1:1", "--config", missing]):  # fmt: skip
+                ["--replica", "http://127.0.0.1:1", "--config", missing],
+                ["--replica", f"ftp://u:{URL_PASSWORD}@127.0.0.1:1"],  # pydantic input_value
+                ["--config", str(yaml_token)], ["--log-level", "TRACE"]):  # fmt: skip
         r = subprocess.run(
             [PY, "-m", "gateway", "serve", "--replica",
              f"http://trainer:{URL_PASSWORD}@127.0.0.1:1", "--api-key", CLIENT_KEY,
@@ -116,4 +120,5 @@ def test_configuration_errors_do_not_echo_secrets(tmp_path: Path) -> None:
         assert r.returncode == 2, (bad, r.stderr[-500:])
         assert "invalid configuration" in r.stderr
         output = r.stdout + r.stderr
-        assert not [s for s in ALL_SECRETS if s in output], (bad, output[-800:])
+        assert not [s for s in (*ALL_SECRETS, "8675309") if s in output], (bad, output[-800:])
+        assert "Traceback" not in output
