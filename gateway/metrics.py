@@ -270,6 +270,7 @@ class Metrics:
         r.register(_PoolCollector(pool))
         self._request_children: dict[tuple[RouteKind, int], tuple[Counter, Histogram]] = {}
         self._routed_children: dict[int, Counter] = {}
+        self._decision_children: dict[str, Counter] = {}
 
     def watch_breakers(self, outliers: OutlierDetector) -> None:
         self.registry.register(_BreakerCollector(outliers))
@@ -278,7 +279,12 @@ class Metrics:
         self.registry.register(_RouterCollector(router))
 
     def record_decision(self, decision: Decision, seconds: float) -> None:
-        self.routing_decisions.labels(decision.reason.value).inc()
+        child = self._decision_children.get(decision.reason)
+        if child is None:
+            child = self._decision_children[decision.reason] = self.routing_decisions.labels(
+                decision.reason.value
+            )
+        child.inc()
         self.routing_seconds.observe(seconds)
         if decision.moved_by_load:
             self.routing_moved.inc()
