@@ -52,6 +52,7 @@ from gateway.errors import (
     TooManyRequests,
     Unauthorized,
     UpstreamError,
+    UpstreamTimeout,
     UpstreamUnavailable,
 )
 from gateway.logs import REQUEST_ID
@@ -81,6 +82,7 @@ _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
 _JSON = "application/json"
 _ID_PREFIX = os.urandom(8).hex()
 _ID_COUNTER = itertools.count()
+_NONE: frozenset[int] = frozenset()
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _ADAPTER_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -401,13 +403,19 @@ async def _exchange(
 async def _exchange_lean(
     gw: Gateway, index: int, method: str, target: bytes, head_lines: bytes, body: bytes
 ) -> tuple[UpstreamResponse, bytes | None]:
-    """``_exchange`` over ``gateway.h1client`` (the ROUTED path)."""
+    """``_exchange`` over ``gateway.h1client`` (the ROUTED path). ``read`` can only fail
+    with ``ConnectionError`` or ``TimeoutError``; mapped as ``map_errors`` would."""
     upstream = await gw.upstream.send_routed(index, method, target, head_lines, body)
     if upstream.content_length is None or upstream.content_type == "text/event-stream":
         return upstream, None
     try:
-        with map_errors(index, sending=False):
-            content = await upstream.read()
+        content = await upstream.read()
+    except TimeoutError as exc:
+        upstream.close()
+        raise UpstreamTimeout(f"replica {index} did not answer in time") from exc
+    except ConnectionError as exc:
+        upstream.close()
+        raise UpstreamError(f"replica {index} failed mid-response") from exc
     except BaseException:
         upstream.close()
         raise
@@ -450,7 +458,7 @@ async def routed(request: Request, gw: Gateway | None = None) -> Response:
         model=model,
         payload=payload,
         session_key=_session_key(request, payload),
-        lacking_adapter=frozenset(healthy) - frozenset(candidates),
+        lacking_adapter=_NONE if allowed is None else frozenset(healthy) - frozenset(candidates),
     )
 
     def choose(remaining: Sequence[int]) -> int:
