@@ -285,7 +285,13 @@ def build_gateway(settings: Settings) -> Gateway:
     """Everything but the event-loop-bound session, which the lifespan creates."""
     pool = ReplicaPool.from_settings(settings)
     metrics = Metrics(pool)
-    upstream = Upstream(pool, lambda: make_session(settings))
+    upstream = Upstream(
+        pool,
+        lambda: make_session(settings),
+        connect_timeout_s=settings.connect_timeout_s,
+        read_timeout_s=settings.read_timeout_s,
+        max_connections=settings.max_connections,
+    )
     adapters = AdapterManager(
         upstream,
         pool.indices(),

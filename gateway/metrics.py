@@ -11,7 +11,8 @@ collector instead of being ``inc()``/``dec()``-ed on the hot path.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -22,8 +23,14 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from gateway.outliers import OutlierDetector
 from gateway.replicas import ReplicaPool
@@ -45,6 +52,7 @@ _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
+_DECISION_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3)
 
 
 class RouteKind(StrEnum):
@@ -53,6 +61,89 @@ class RouteKind(StrEnum):
     FAN_IN = "fan_in"
     FORWARDED = "forwarded"
     GATEWAY = "gateway"
+
+
+class _LoopCounter:
+    """One label set's count, updated from the event loop thread only."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class _LoopHistogram:
+    """One label set's histogram: per-bucket counts (not cumulative) and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # last slot: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.counts[bisect_left(self.bounds, value)] += 1  # first bound >= value ("le")
+
+
+class _LoopMetrics(Collector):
+    """The per-request metrics as plain numbers, rendered at scrape time.
+
+    prometheus-client takes a lock per ``inc`` and per histogram bucket walk (five such
+    updates per routed request); the event loop is the only writer here, so plain
+    attributes do, and the exported series (names, labels, buckets) are unchanged."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str], _LoopCounter] = {}
+        self.request_seconds: dict[str, _LoopHistogram] = {}
+        self.routed: dict[str, _LoopCounter] = {}
+        self.decisions: dict[str, _LoopCounter] = {}
+        self.decision_seconds = _LoopHistogram(_DECISION_BUCKETS)
+
+    @staticmethod
+    def _histogram(family: HistogramMetricFamily, labels: list[str], h: _LoopHistogram) -> None:
+        running, buckets = 0.0, []
+        for bound, count in zip((*h.bounds, float("inf")), h.counts, strict=True):
+            running += count
+            buckets.append((floatToGoString(bound), running))  # type: ignore[no-untyped-call]
+        family.add_metric(labels, buckets, h.sum)
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "gateway_requests",
+            "Client requests answered, by route kind and status class.",
+            labels=["route", "status_class"],
+        )
+        for (route, status_class), counter in self.requests.items():
+            requests.add_metric([route, status_class], counter.value)
+        seconds = HistogramMetricFamily(
+            "gateway_request_duration_seconds",
+            "Time from request start until the response (or stream) ended.",
+            labels=["route"],
+        )
+        for route, histogram in self.request_seconds.items():
+            self._histogram(seconds, [route], histogram)
+        routed = CounterMetricFamily(
+            "gateway_replica_routed_requests",
+            "Routed requests sent to each replica (including retries).",
+            labels=["replica"],
+        )
+        for replica, counter in self.routed.items():
+            routed.add_metric([replica], counter.value)
+        decisions = CounterMetricFamily(
+            "gateway_routing_decisions", "Routing decisions by reason.", labels=["reason"]
+        )
+        for reason, counter in self.decisions.items():
+            decisions.add_metric([reason], counter.value)
+        decision_seconds = HistogramMetricFamily(
+            "gateway_routing_decision_seconds", "Time spent choosing a replica for one request."
+        )
+        self._histogram(decision_seconds, [], self.decision_seconds)
+        yield from (requests, seconds, routed, decisions, decision_seconds)
 
 
 class _PoolCollector(Collector):
@@ -162,25 +253,8 @@ class Metrics:
     def __init__(self, pool: ReplicaPool) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
-            "gateway_requests_total",
-            "Client requests answered, by route kind and status class.",
-            ["route", "status_class"],
-            registry=r,
-        )
-        self.request_seconds = Histogram(
-            "gateway_request_duration_seconds",
-            "Time from request start until the response (or stream) ended.",
-            ["route"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.routed = Counter(
-            "gateway_replica_routed_requests_total",
-            "Routed requests sent to each replica (including retries).",
-            ["replica"],
-            registry=r,
-        )
+        self._loop = _LoopMetrics()
+        r.register(self._loop)
         self.upstream_errors = Counter(
             "gateway_upstream_errors_total",
             "Upstream failures by replica and kind (connect, timeout, protocol).",
@@ -202,18 +276,6 @@ class Metrics:
             "gateway_broadcasts_total",
             "Fan-out calls by endpoint and outcome (ok, failed).",
             ["endpoint", "outcome"],
-            registry=r,
-        )
-        self.routing_decisions = Counter(
-            "gateway_routing_decisions_total",
-            "Routing decisions by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.routing_seconds = Histogram(
-            "gateway_routing_decision_seconds",
-            "Time spent choosing a replica for one request.",
-            buckets=(5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3),
             registry=r,
         )
         self.routing_moved = Counter(
@@ -268,8 +330,11 @@ class Metrics:
             registry=r,
         )
         r.register(_PoolCollector(pool))
-        self._request_children: dict[tuple[RouteKind, int], tuple[Counter, Histogram]] = {}
-        self._routed_children: dict[int, Counter] = {}
+        self._request_children: dict[
+            tuple[RouteKind, int], tuple[_LoopCounter, _LoopHistogram]
+        ] = {}
+        self._routed_children: dict[int, _LoopCounter] = {}
+        self._decision_children: dict[str, _LoopCounter] = {}
 
     def watch_breakers(self, outliers: OutlierDetector) -> None:
         self.registry.register(_BreakerCollector(outliers))
@@ -278,8 +343,13 @@ class Metrics:
         self.registry.register(_RouterCollector(router))
 
     def record_decision(self, decision: Decision, seconds: float) -> None:
-        self.routing_decisions.labels(decision.reason.value).inc()
-        self.routing_seconds.observe(seconds)
+        child = self._decision_children.get(decision.reason)
+        if child is None:
+            reason = decision.reason.value
+            child = self._loop.decisions.setdefault(reason, _LoopCounter())
+            self._decision_children[decision.reason] = child
+        child.inc()
+        self._loop.decision_seconds.observe(seconds)
         if decision.moved_by_load:
             self.routing_moved.inc()
 
@@ -301,20 +371,16 @@ class Metrics:
             self.adapter_unloads.labels(result.outcome.value).inc()
 
     def routing_counts(self) -> dict[str, float]:
-        return {
-            sample.labels["reason"]: sample.value
-            for metric in self.routing_decisions.collect()
-            for sample in metric.samples
-            if sample.name.endswith("_total")
-        }
+        return {reason: counter.value for reason, counter in self._loop.decisions.items()}
 
     def record_request(self, route: RouteKind, status: int, seconds: float) -> None:
         key = (route, status // 100)
         children = self._request_children.get(key)
-        if children is None:  # label lookups hash and lock; do them once per label set
+        if children is None:  # one dict lookup per request, not one per metric
+            loop = self._loop
             children = self._request_children[key] = (
-                self.requests.labels(route.value, f"{status // 100}xx"),
-                self.request_seconds.labels(route.value),
+                loop.requests.setdefault((route.value, f"{status // 100}xx"), _LoopCounter()),
+                loop.request_seconds.setdefault(route.value, _LoopHistogram(_LATENCY_BUCKETS)),
             )
         children[0].inc()
         children[1].observe(seconds)
@@ -322,7 +388,8 @@ class Metrics:
     def record_routed(self, replica: int) -> None:
         child = self._routed_children.get(replica)
         if child is None:
-            child = self._routed_children[replica] = self.routed.labels(str(replica))
+            child = self._loop.routed.setdefault(str(replica), _LoopCounter())
+            self._routed_children[replica] = child
         child.inc()
 
     def render(self) -> bytes:

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import aiohttp
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import UpstreamError
+
+if TYPE_CHECKING:
+    from gateway.upstream import UpstreamResponse
 
 __all__ = ["BodyResponse", "ClientDisconnected", "RelayResponse", "cancel_on_disconnect"]
 
@@ -53,7 +56,7 @@ class RelayResponse(Response):
 
     def __init__(
         self,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         headers: list[tuple[bytes, bytes]],
         on_close: Callable[[bool], None],
         ejected: Callable[[], bool] = lambda: False,

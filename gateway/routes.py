@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
 import os
 import re
@@ -31,7 +32,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 from starlette.applications import Starlette
 from starlette.datastructures import State
@@ -52,6 +52,7 @@ from gateway.errors import (
     TooManyRequests,
     Unauthorized,
     UpstreamError,
+    UpstreamTimeout,
     UpstreamUnavailable,
 )
 from gateway.logs import REQUEST_ID
@@ -61,7 +62,9 @@ from gateway.routing.policy import CandidateLoads, RouteRequest
 from gateway.upstream import (
     BufferedResponse,
     ReplicaConnectError,
+    UpstreamResponse,
     map_errors,
+    request_head_lines,
     request_headers,
     response_headers,
 )
@@ -77,6 +80,9 @@ log = logging.getLogger("gateway.routes")
 _ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
 _JSON = "application/json"
+_ID_PREFIX = os.urandom(8).hex()
+_ID_COUNTER = itertools.count()
+_NONE: frozenset[int] = frozenset()
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _ADAPTER_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -146,8 +152,8 @@ def _check_key(request: Request, keys: Sequence[bytes], what: str) -> None:
         raise Unauthorized(f"Invalid or missing {what}.", headers={"WWW-Authenticate": "Bearer"})
 
 
-def require_client(request: Request) -> None:
-    gw = _gateway(request)
+def require_client(request: Request, gw: Gateway | None = None) -> None:
+    gw = gw or _gateway(request)
     if gw.client_keys:
         _check_key(request, gw.client_keys, "API key")
 
@@ -243,10 +249,13 @@ def _check_generation(path: str, payload: Mapping[str, Any], settings: Settings)
 
 
 def request_id_for(request: Request) -> str:
-    """The client's ``X-Request-Id`` if it is sane, else a new one; also tags the logs."""
+    """The client's ``X-Request-Id`` if it is sane, else a new one; also tags the logs.
+
+    New ids are a random per-process prefix plus a counter: unique across gateways and
+    restarts without a ``getrandom`` syscall per request."""
     given = header(request, b"x-request-id")
     request_id = given.decode("ascii") if given and _REQUEST_ID.match(given) else None
-    request_id = request_id or os.urandom(12).hex()
+    request_id = request_id or f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
     REQUEST_ID.set(request_id)
     return request_id
 
@@ -281,9 +290,20 @@ async def dispatch(
     budget allows. Streams are relayed as they arrive; nothing is retried after that."""
     started = time.perf_counter()
     request_id = request_id_for(request)
-    headers = request_headers(request.scope["headers"], request_id)
-    path = request.scope.get("raw_path", b"").decode("latin-1") or request.scope["path"]
-    query = request.scope.get("query_string", b"").decode("latin-1")
+    scope = request.scope
+    lean = kind is RouteKind.ROUTED  # POST, JSON in and out: the h1client path
+    target = head_lines = b""
+    path = query = ""
+    headers: list[tuple[str, str]] = []
+    if lean:
+        head_lines = request_head_lines(scope["headers"], request_id)
+        target = scope.get("raw_path") or scope["path"].encode("latin-1")
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+    else:
+        headers = request_headers(scope["headers"], request_id)
+        path = scope.get("raw_path", b"").decode("latin-1") or scope["path"]
+        query = scope.get("query_string", b"").decode("latin-1")
     task = asyncio.current_task()
     assert task is not None
     remaining = list(candidates)
@@ -308,7 +328,11 @@ async def dispatch(
         gw.outliers.dispatched(index)
         gw.metrics.record_routed(index)
         gw.tasks.enter(index, task)
-        exchange = _exchange(gw, index, request.method, path, query, headers, body)
+        exchange = (
+            _exchange_lean(gw, index, request.method, target, head_lines, body)
+            if lean
+            else _exchange(gw, index, request.method, path, query, headers, body)
+        )
         try:
             upstream, content = await cancel_on_disconnect(request.receive, exchange)
         except ReplicaConnectError as exc:
@@ -359,7 +383,7 @@ async def dispatch(
 async def _exchange(
     gw: Gateway, index: int, method: str, path: str, query: str,
     headers: list[tuple[str, str]], body: bytes,
-) -> tuple[aiohttp.ClientResponse, bytes | None]:  # fmt: skip
+) -> tuple[UpstreamResponse, bytes | None]:  # fmt: skip
     """Send, and read the body too unless it is a stream (SSE, or no Content-Length): a
     sized body is answered with one write. One disconnect guard covers both steps."""
     upstream = await gw.upstream.send(index, method, path, query=query, headers=headers,
@@ -371,6 +395,29 @@ async def _exchange(
             content = await upstream.read()
     except BaseException:
         upstream.close()  # mid-body failure or client gone: abort, never reuse
+        raise
+    upstream.release()
+    return upstream, content
+
+
+async def _exchange_lean(
+    gw: Gateway, index: int, method: str, target: bytes, head_lines: bytes, body: bytes
+) -> tuple[UpstreamResponse, bytes | None]:
+    """``_exchange`` over ``gateway.h1client`` (the ROUTED path). ``read`` can only fail
+    with ``ConnectionError`` or ``TimeoutError``; mapped as ``map_errors`` would."""
+    upstream = await gw.upstream.send_routed(index, method, target, head_lines, body)
+    if upstream.content_length is None or upstream.content_type == "text/event-stream":
+        return upstream, None
+    try:
+        content = await upstream.read()
+    except TimeoutError as exc:
+        upstream.close()
+        raise UpstreamTimeout(f"replica {index} did not answer in time") from exc
+    except ConnectionError as exc:
+        upstream.close()
+        raise UpstreamError(f"replica {index} failed mid-response") from exc
+    except BaseException:
+        upstream.close()
         raise
     upstream.release()
     return upstream, content
@@ -388,10 +435,10 @@ def _abandon(gw: Gateway, pick: Pick, index: int, task: asyncio.Task[Any]) -> No
     _release(gw, pick, index)
 
 
-async def routed(request: Request) -> Response:
+async def routed(request: Request, gw: Gateway | None = None) -> Response:
     """ROUTED: completions and chat completions."""
-    gw = _gateway(request)
-    require_client(request)
+    gw = gw or _gateway(request)
+    require_client(request, gw)
     body = await read_body(request, gw.settings.max_body_bytes)
     payload = parse_json_object(body, gw.settings.max_json_depth)
     path: str = request.scope["path"]
@@ -411,7 +458,7 @@ async def routed(request: Request) -> Response:
         model=model,
         payload=payload,
         session_key=_session_key(request, payload),
-        lacking_adapter=frozenset(healthy) - frozenset(candidates),
+        lacking_adapter=_NONE if allowed is None else frozenset(healthy) - frozenset(candidates),
     )
 
     def choose(remaining: Sequence[int]) -> int:
@@ -719,7 +766,7 @@ class FastPath:
             return
         try:
             try:
-                response = await routed(request)
+                response = await routed(request, gw)
             except ClientDisconnected:
                 return
             except GatewayError as exc:

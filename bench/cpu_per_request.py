@@ -1,0 +1,185 @@
+"""Gateway CPU per proxied request, variant against variant, robust on a noisy machine.
+
+Wall-clock req/s on a shared 2-core box swings by +-15 % or more; the CPU the gateway
+process itself burns per request barely moves. This script starts one instant upstream
+(``bench/instant_upstream.py``) and one gateway per *variant* (a source tree holding a
+``gateway`` package: ``python -m gateway serve`` with ``PYTHONPATH`` set to that tree), the
+gateways pinned to CPU 1 and upstream + load client to CPU 0. Then, for ``--rounds``
+alternations with the variant order rotated, it reads utime+stime of the gateway from
+``/proc/PID/stat`` before and after ``bench/loadgen.py`` runs:
+
+* throughput: ``--tput-requests`` requests at ``--concurrency`` (64) in flight;
+* latency: ``--lat-requests`` requests at 1 in flight.
+
+us/request = delta CPU / requests; the table shows medians over rounds, plus req/s and p50.
+
+    .venv/bin/python bench/cpu_per_request.py --variant main=/tmp/base --variant perf=.
+
+Each gateway gets one replica (the upstream) and ``--log-level warning``. Only processes
+started here are stopped, by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+CLIENT_CPU, FRONT_CPU = 0, 1
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pin(cpu: int) -> Callable[[], None] | None:
+    if (os.cpu_count() or 1) < 2 or not hasattr(os, "sched_setaffinity"):
+        return None
+    return lambda: os.sched_setaffinity(0, {cpu})
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` (all threads), from ``/proc/PID/stat``."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK  # fields 14, 15 of stat(5)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as resp:
+            if resp.status == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+@contextlib.contextmanager
+def started(procs: list[subprocess.Popen[bytes]]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    try:
+        yield procs
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in reversed(procs):
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+
+
+def loadgen(url: str, mode: str, requests: int, concurrency: int) -> dict[str, object]:
+    argv = [PY, str(HERE / "loadgen.py"), "--url", url, "--mode", mode]
+    argv += ["--requests", str(requests), "--concurrency", str(concurrency)]
+    argv += ["--max-seconds", "120"]
+    out = subprocess.run(argv, capture_output=True, timeout=200, preexec_fn=_pin(CLIENT_CPU))
+    try:
+        result: dict[str, object] = json.loads(out.stdout.decode().strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError) as exc:
+        raise RuntimeError(f"loadgen failed: {out.stderr.decode()[-2000:]}") from exc
+    return result
+
+
+def measure(url: str, pid: int, mode: str, requests: int, concurrency: int) -> dict[str, float]:
+    before = cpu_seconds(pid)
+    res = loadgen(url, mode, requests, concurrency)
+    used = cpu_seconds(pid) - before
+    done = int(res["requests"])  # type: ignore[call-overload]
+    if int(res["errors"]) or done < requests:  # type: ignore[call-overload]
+        raise RuntimeError(f"{url} {mode}: {res}")
+    return {
+        "us_per_req": used * 1e6 / done,
+        "rps": float(res["rps"]),  # type: ignore[arg-type]
+        "p50_ms": float(res["p50_ms"]),  # type: ignore[arg-type]
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument(
+        "--variant", action="append", required=True, metavar="NAME=TREE",
+        help="a source tree containing the gateway package (repeat; first = baseline)",
+    )  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tput-requests", type=int, default=20000)
+    parser.add_argument("--lat-requests", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--json", type=Path, help="also write the raw rounds here")
+    args = parser.parse_args(argv)
+    variants = dict(v.split("=", 1) for v in args.variant)
+
+    up_port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    with started(procs):
+        up_cmd = [PY, str(HERE / "instant_upstream.py"), "--port", str(up_port)]
+        procs.append(subprocess.Popen(up_cmd, preexec_fn=_pin(CLIENT_CPU)))
+        up = f"http://127.0.0.1:{up_port}"
+        wait_ready(up + "/health", procs[-1])
+        fronts: dict[str, tuple[str, int]] = {}
+        for name, tree in variants.items():
+            port = free_port()
+            env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
+            cmd = [PY, "-m", "gateway", "serve", "--replica", up, "--port", str(port)]
+            cmd += ["--log-level", "warning"]
+            p = subprocess.Popen(cmd, env=env, cwd=tree, preexec_fn=_pin(FRONT_CPU))
+            procs.append(p)
+            fronts[name] = (f"http://127.0.0.1:{port}", p.pid)
+        for url, pid in fronts.values():
+            wait_ready(url + "/health", next(p for p in procs if p.pid == pid))
+        for url, _ in fronts.values():  # warm-up: connections, caches, allocator
+            loadgen(url, "throughput", 3000, args.concurrency)
+            loadgen(url, "latency", 300, 1)
+
+        names = list(fronts)
+        rows: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                url, pid = fronts[name]
+                t = measure(url, pid, "throughput", args.tput_requests, args.concurrency)
+                lat = measure(url, pid, "latency", args.lat_requests, 1)
+                row = {f"tput_{k}": v for k, v in t.items()}
+                row.update({f"lat_{k}": v for k, v in lat.items()})
+                rows[name].append(row)
+                print(f"round {r + 1} {name}: " + " ".join(f"{k}={v:.3f}" for k, v in row.items()),
+                      file=sys.stderr, flush=True)  # fmt: skip
+
+    base = names[0]
+    med = {n: {k: statistics.median(x[k] for x in rows[n]) for k in rows[n][0]} for n in names}
+    print(f"| variant | us/req @{args.concurrency} | vs {base} | req/s @{args.concurrency} "
+          "| us/req @1 | vs base | req/s @1 | p50 @1 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for n in names:
+        m, b = med[n], med[base]
+        tput_ratio = m["tput_us_per_req"] / b["tput_us_per_req"]
+        print(
+            f"| {n} | {m['tput_us_per_req']:.0f} | {tput_ratio:.2f}x"
+            f" | {m['tput_rps']:,.0f} | {m['lat_us_per_req']:.0f}"
+            f" | {m['lat_us_per_req'] / b['lat_us_per_req']:.2f}x | {m['lat_rps']:,.0f}"
+            f" | {m['lat_p50_ms']:.3f} ms |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"rounds": rows, "median": med}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

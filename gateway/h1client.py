@@ -1,0 +1,437 @@
+"""A minimal keep-alive HTTP/1.1 client for the ROUTED data path (asyncio + httptools).
+
+Why: against an instant upstream, aiohttp's ``ClientSession.request`` (tracing hooks,
+``ClientRequest``, multidict headers, payload registry, timer objects, ``StreamReader``)
+was about a third of the gateway's CPU per proxied completion. This client writes one
+pre-assembled request (head + body, one ``write``) on a pooled connection and parses the
+response with ``httptools`` (already installed for uvicorn): ``bench/cpu_per_request.py``
+has the measured difference.
+
+Scope: one request at a time per connection, ``Content-Length`` or chunked responses,
+streaming (SSE) bodies with back-pressure, plain ``http`` and ``https``. Control-plane
+calls (fan-out, probes, adapter loads) keep using aiohttp.
+
+Errors, mapped by ``Upstream.send_routed`` the way ``upstream.map_errors`` maps aiohttp's:
+
+* ``ConnectFailed`` (refused, connect timeout) and ``ResetBeforeResponse`` (the
+  connection died before any response byte, e.g. a stale keep-alive connection): the
+  replica produced nothing, so retrying elsewhere is safe (``ReplicaConnectError``);
+* ``TimeoutError``: no byte for ``read_timeout_s`` (``UpstreamTimeout``);
+* ``BrokenResponse`` (a ``ConnectionError``): lost or unparsable after the first response
+  byte; ``read()`` and ``content.iter_any()`` raise it (``UpstreamError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator
+
+import httptools
+
+__all__ = ["BrokenResponse", "ConnectFailed", "H1Pool", "H1Response", "ResetBeforeResponse"]
+
+_HIGH_WATER = 1 << 20  # pause reading a stream the client consumes slower than this
+_LOW_WATER = 1 << 18
+
+
+class ConnectFailed(OSError):
+    """No connection could be opened; ``kind`` is ``connect`` or ``connect_timeout``."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+class ResetBeforeResponse(ConnectionResetError):
+    """The connection failed before any byte of the response arrived."""
+
+
+class BrokenResponse(ConnectionError):
+    """The connection failed, or sent invalid HTTP, after the response started."""
+
+
+class H1Response:
+    """One upstream response; the subset of ``aiohttp.ClientResponse`` the relay uses."""
+
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_conn",
+        "_done",
+        "_error",
+        "_released",
+        "_streaming",
+        "_waiter",
+        "content_length",
+        "content_type",
+        "raw_headers",
+        "status",
+    )  # fmt: skip
+
+    def __init__(self, conn: _Conn) -> None:
+        self._conn: _Conn | None = conn
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._done = False
+        self._error: BaseException | None = None
+        self._released = False
+        self._streaming = False  # back-pressure only for streams: read() needs it all
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.content_length: int | None = None
+        self.content_type = "application/octet-stream"
+
+    # -- fed by the connection ------------------------------------------------------------
+
+    def _feed(self, chunk: bytes) -> None:
+        self._chunks.append(chunk)
+        self._buffered += len(chunk)
+        if self._streaming and self._buffered > _HIGH_WATER and self._conn is not None:
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        if not self._done:
+            self._done = True
+            self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    # -- read by the caller --------------------------------------------------------------
+
+    async def read(self) -> bytes:
+        """The whole body (raises ``ConnectionError`` / ``TimeoutError`` if it broke)."""
+        while not self._done:
+            await self._wait()
+        if self._error is not None:
+            raise self._error
+        chunks = self._chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        return body
+
+    @property
+    def content(self) -> H1Response:
+        """``aiohttp``'s spelling: ``response.content.iter_any()``."""
+        return self
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        """Body chunks as they arrive."""
+        self._streaming = True
+        chunks = self._chunks
+        while True:
+            if chunks:
+                chunk = chunks.popleft()
+                self._buffered -= len(chunk)
+                if self._buffered < _LOW_WATER and self._conn is not None:
+                    self._conn.resume()
+                yield chunk
+            elif self._done:
+                if self._error is not None:
+                    raise self._error
+                return
+            else:
+                await self._wait()
+
+    def release(self) -> None:
+        """Done with the response: the connection goes back to the pool if the body was
+        read to the end, otherwise it is closed."""
+        if self._released:
+            return
+        self._released = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.finished(self, reuse=self._done and self._error is None)
+
+    def close(self) -> None:
+        """Abort: close the connection (the replica then cancels the generation)."""
+        if self._released:
+            return
+        self._released = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.finished(self, reuse=False)
+
+
+class _Conn(asyncio.Protocol):
+    """One upstream connection; at most one request in flight."""
+
+    def __init__(self, pool: H1Pool) -> None:
+        self.pool = pool
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.response: H1Response | None = None
+        self.headers_ready: asyncio.Future[H1Response] | None = None
+        self.received = False  # any byte of the current response
+        self.complete = False  # the current response ended cleanly
+        self.keep_alive = True
+        self.until_eof = False  # neither Content-Length nor chunked: the body ends at EOF
+        self.lost = False
+        self.last_io = 0.0
+        self.idle_since = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.paused = False
+
+    # -- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_io = time.monotonic()
+        if self.response is None:  # bytes nobody asked for: the connection is unusable
+            self._abort()
+            return
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(BrokenResponse(f"invalid HTTP response from the replica: {exc}"))
+            self._abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.pool.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        response = self.response
+        if response is None or self.complete:
+            return
+        if self.until_eof and exc is None and self.headers_ready is None:
+            self.complete = True
+            response._finish()
+        elif self.received:
+            self._fail(BrokenResponse("replica closed the connection mid-response"))
+        else:
+            self._fail(ResetBeforeResponse("replica closed the connection"))
+
+    # -- httptools callbacks ------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.response is not None
+        self.response.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        parser = self.parser
+        response.status = parser.get_status_code()
+        self.keep_alive = parser.should_keep_alive()
+        chunked = False
+        for name, value in response.raw_headers:
+            lower = name.lower()
+            if lower == b"content-length" and value.strip().isdigit():
+                response.content_length = int(value)
+            elif lower == b"content-type":
+                response.content_type = value.partition(b";")[0].strip().lower().decode("latin-1")
+            elif lower == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+        self.until_eof = response.content_length is None and not chunked
+        waiter, self.headers_ready = self.headers_ready, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(response)
+
+    def on_body(self, body: bytes) -> None:
+        assert self.response is not None
+        self.response._feed(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        assert self.response is not None
+        self.response._finish()
+
+    # -- driving ------------------------------------------------------------------------
+
+    def start(self, head: bytes, body: bytes) -> asyncio.Future[H1Response]:
+        assert self.transport is not None
+        response = H1Response(self)
+        self.response = response
+        self.received = self.complete = self.until_eof = False
+        self.headers_ready = waiter = asyncio.get_running_loop().create_future()
+        if self.lost:
+            waiter.set_exception(ResetBeforeResponse("replica closed the connection"))
+            return waiter
+        self.last_io = time.monotonic()
+        if self.timer is None:
+            self._arm(self.pool.read_timeout_s)
+        if len(body) < 65536:  # one segment; big bodies are not copied
+            self.transport.write(head + body)
+        else:
+            self.transport.writelines((head, body))
+        return waiter
+
+    def abandon(self) -> None:
+        """The caller gave up before the headers (error or cancellation): never reuse."""
+        self.response = None
+        self.headers_ready = None
+        self._abort()
+        self.pool.discard(self)
+
+    def _arm(self, delay: float) -> None:
+        self.timer = asyncio.get_running_loop().call_later(delay, self._check_timeout)
+
+    def _check_timeout(self) -> None:
+        """One lazy timer per connection, not per request: re-armed for the remainder
+        while bytes keep coming, so a busy connection costs no timer churn."""
+        self.timer = None
+        if self.response is None or self.complete or self.lost:
+            return
+        quiet = time.monotonic() - self.last_io
+        limit = self.pool.read_timeout_s
+        if quiet < limit:
+            self._arm(limit - quiet)
+            return
+        self._fail(TimeoutError(f"no byte from replica {self.pool.replica} in {limit:g} s"))
+        self._abort()
+
+    def _fail(self, error: BaseException) -> None:
+        waiter, self.headers_ready = self.headers_ready, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+        elif self.response is not None:
+            self.response._finish(error)
+
+    def _abort(self) -> None:
+        self.keep_alive = False
+        if self.transport is not None:
+            self.transport.abort()
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None and not self.lost:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None and not self.lost:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def finished(self, response: H1Response, *, reuse: bool) -> None:
+        if response is not self.response:
+            return
+        self.response = None
+        self.headers_ready = None
+        self.resume()
+        if reuse and self.keep_alive and not self.lost:
+            self.idle_since = time.monotonic()
+            self.pool.put_back(self)
+        else:
+            self._abort()
+            self.pool.discard(self)
+
+
+class H1Pool:
+    """Keep-alive connections to one replica (LIFO: the warmest connection first)."""
+
+    def __init__(
+        self,
+        replica: int,
+        host: str,
+        port: int,
+        *,
+        tls: bool = False,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 600.0,
+        keepalive_s: float = 30.0,
+        max_connections: int = 1024,
+    ) -> None:
+        self.replica = replica
+        self.host = host
+        self.port = port
+        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if tls else None
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.keepalive_s = keepalive_s
+        self.max_connections = max_connections
+        self._idle: list[_Conn] = []
+        self._open: set[_Conn] = set()
+        self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def request(self, head: bytes, body: bytes) -> H1Response:
+        """Send ``head`` (request line + headers + blank line) and ``body``; return once
+        the response headers arrived (errors: see the module docstring)."""
+        conn = await self._acquire()
+        try:
+            return await conn.start(head, body)
+        except BaseException:
+            conn.abandon()
+            raise
+
+    async def _acquire(self) -> _Conn:
+        idle = self._idle
+        while True:
+            now = time.monotonic()
+            while idle:
+                conn = idle.pop()
+                if not conn.lost and now - conn.idle_since < self.keepalive_s:
+                    return conn
+                conn._abort()
+                self._open.discard(conn)
+            if len(self._open) < self.max_connections:
+                break
+            waiter = asyncio.get_running_loop().create_future()
+            self._slot_waiters.append(waiter)
+            await waiter
+        conn = _Conn(self)
+        self._open.add(conn)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                await loop.create_connection(
+                    lambda: conn, self.host, self.port, ssl=self.ssl,
+                    server_hostname=self.host if self.ssl else None,
+                )  # fmt: skip
+        except TimeoutError as exc:
+            self.discard(conn)
+            raise ConnectFailed("connect_timeout", f"connect to {self.host}:{self.port}") from exc
+        except OSError as exc:
+            self.discard(conn)
+            raise ConnectFailed("connect", f"connect to {self.host}:{self.port}: {exc}") from exc
+        except BaseException:
+            self.discard(conn)
+            raise
+        return conn
+
+    def put_back(self, conn: _Conn) -> None:
+        self._idle.append(conn)
+        self._wake_one()
+
+    def discard(self, conn: _Conn) -> None:
+        if conn in self._open:
+            self._open.discard(conn)
+            self._wake_one()
+        if conn in self._idle:
+            self._idle.remove(conn)
+
+    def _wake_one(self) -> None:
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def close(self) -> None:
+        for conn in list(self._open):
+            conn._abort()
+        self._open.clear()
+        self._idle.clear()

@@ -1,0 +1,238 @@
+"""``gateway.h1client`` against a scripted raw-socket server: framing, keep-alive reuse,
+and the error contract (what is retryable, what is a mid-response failure)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from gateway.h1client import BrokenResponse, ConnectFailed, H1Pool, ResetBeforeResponse
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n"
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await reader.readexactly(length)
+
+
+@asynccontextmanager
+async def server(handler: Handler) -> AsyncIterator[tuple[int, list[int]]]:
+    """A server running ``handler`` per connection; yields (port, connection counter)."""
+    accepted = [0]
+
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted[0] += 1
+        try:
+            await handler(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield port, accepted
+    finally:
+        srv.close()
+        await srv.wait_closed()
+
+
+def pool_for(port: int, **kwargs: float) -> H1Pool:
+    return H1Pool(0, "127.0.0.1", port, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_sized_responses_reuse_one_connection() -> None:
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            seen.append(await read_request(reader))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\n"
+                         b"X-Extra: 1\r\nContent-Length: 7\r\n\r\n{\"a\":1}")  # fmt: skip
+            await writer.drain()
+
+    async with server(handler) as (port, accepted):
+        pool = pool_for(port)
+        for _ in range(3):
+            response = await pool.request(HEAD, b"{}")
+            assert response.status == 200
+            assert response.content_length == 7
+            assert response.content_type == "application/json"
+            assert (b"X-Extra", b"1") in response.raw_headers
+            assert await response.read() == b'{"a":1}'
+            response.release()
+        pool.close()
+    assert accepted[0] == 1
+    assert seen[0] == HEAD + b"{}"
+
+
+async def test_chunked_stream_arrives_chunk_by_chunk() -> None:
+    release = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n6\r\ndata: \r\n")  # fmt: skip
+        await writer.drain()
+        await release.wait()
+        writer.write(b"4\r\nDONE\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with server(handler) as (port, _):
+        pool = pool_for(port)
+        response = await pool.request(HEAD, b"{}")
+        assert response.content_length is None
+        assert response.content_type == "text/event-stream"
+        chunks = response.content.iter_any()
+        assert await anext(chunks) == b"data: "  # before the rest was even written
+        release.set()
+        assert [c async for c in chunks] == [b"DONE"]
+        response.release()
+        assert len(pool._idle) == 1  # complete: kept for reuse
+        pool.close()
+
+
+async def test_close_before_any_byte_is_retryable_reset() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+
+    async with server(handler) as (port, _):
+        pool = pool_for(port)
+        with pytest.raises(ResetBeforeResponse):
+            await pool.request(HEAD, b"{}")
+        assert not pool._open
+
+
+async def test_close_mid_body_is_a_broken_response() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
+        await writer.drain()
+
+    async with server(handler) as (port, _):
+        pool = pool_for(port)
+        response = await pool.request(HEAD, b"{}")
+        with pytest.raises(BrokenResponse):
+            await response.read()
+        response.release()
+        assert not pool._idle
+
+
+async def test_body_until_eof_without_length() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
+        await writer.drain()
+
+    async with server(handler) as (port, _):
+        pool = pool_for(port)
+        response = await pool.request(HEAD, b"{}")
+        assert await response.read() == b"all of it"
+        response.release()
+        assert not pool._idle
+
+
+async def test_refused_connect_is_connect_failure() -> None:
+    async with server(read_request) as (port, _):
+        pass  # closed: nothing listens on the port any more
+    with pytest.raises(ConnectFailed) as info:
+        await pool_for(port).request(HEAD, b"{}")
+    assert info.value.kind == "connect"
+
+
+async def test_silent_replica_times_out() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await reader.read()  # never answers
+
+    async with server(handler) as (port, _):
+        pool = pool_for(port, read_timeout_s=0.2)
+        with pytest.raises(TimeoutError):
+            await pool.request(HEAD, b"{}")
+        assert not pool._open
+
+
+async def test_idle_connection_closed_by_server_is_not_reused() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()  # then close: like a keep-alive timeout on the replica
+
+    async with server(handler) as (port, accepted):
+        pool = pool_for(port)
+        first = await pool.request(HEAD, b"{}")
+        assert await first.read() == b"ok"
+        first.release()
+        for _ in range(100):  # the FIN arrives asynchronously
+            if not pool._idle:
+                break
+            await asyncio.sleep(0.01)
+        assert not pool._idle
+        second = await pool.request(HEAD, b"{}")
+        assert await second.read() == b"ok"
+        second.release()
+        pool.close()
+    assert accepted[0] == 2
+
+
+async def test_cancelled_request_closes_its_connection() -> None:
+    got_eof = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await reader.read()  # returns at EOF: the client closed
+        got_eof.set()
+
+    async with server(handler) as (port, _):
+        pool = pool_for(port)
+        task = asyncio.create_task(pool.request(HEAD, b"{}"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(got_eof.wait(), 5)
+        assert not pool._open
+
+
+async def test_large_bodies_sized_and_streamed() -> None:
+    """Back-pressure pauses a stream the reader lags behind, never a ``read()``."""
+    big = bytes(range(256)) * (3 * 4096)  # 3 MiB
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(big) + big)
+        await writer.drain()
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(0, len(big), 65536):
+            part = big[i : i + 65536]
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with server(handler) as (port, _):
+        pool = pool_for(port)
+        sized = await pool.request(HEAD, b"{}")
+        assert await asyncio.wait_for(sized.read(), 10) == big
+        sized.release()
+        stream = await pool.request(HEAD, b"{}")
+        await asyncio.sleep(0.2)  # let the server get ahead of us
+        received = bytearray()
+        async for chunk in stream.content.iter_any():
+            received += chunk
+        assert bytes(received) == big
+        stream.release()
+        assert len(pool._idle) == 1
+        pool.close()
