@@ -146,7 +146,7 @@ class Settings(BaseSettings):
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect timeout.")
     read_timeout_s: float = Field(600.0, gt=0, description="Max gap between upstream reads.")
     broadcast_timeout_s: float = Field(120.0, gt=0, description="Per-replica fan-out timeout.")
-    max_connections: int = Field(1024, ge=1, description="Upstream connection pool size.")
+    max_connections: int = Field(1024, ge=1, description="Upstream connections per replica.")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="Request body limit.")
     max_header_bytes: int = Field(
         16 * 1024, ge=256, description="Total request header bytes (names + values); 431 above."

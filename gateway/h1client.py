@@ -341,7 +341,11 @@ class _Conn(asyncio.Protocol):
 
 
 class H1Pool:
-    """Keep-alive connections to one replica (LIFO: the warmest connection first)."""
+    """Keep-alive connections to one replica (LIFO: the warmest connection first).
+
+    Idle connections are dropped after ``keepalive_s`` (4 s): vLLM's uvicorn closes them
+    after 5 s, and reusing one the replica is closing at that instant fails before any
+    response byte -- retried, but counted against the replica."""
 
     def __init__(
         self,
@@ -352,7 +356,7 @@ class H1Pool:
         tls: bool = False,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
-        keepalive_s: float = 30.0,
+        keepalive_s: float = 4.0,
         max_connections: int = 1024,
     ) -> None:
         self.replica = replica

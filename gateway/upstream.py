@@ -116,7 +116,7 @@ class BufferedResponse:
 def make_session(settings: Settings) -> aiohttp.ClientSession:
     """The shared keep-alive session every upstream call goes through (create in a loop)."""
     connector = aiohttp.TCPConnector(
-        limit=settings.max_connections, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300
+        limit=settings.max_connections, limit_per_host=0, keepalive_timeout=4, ttl_dns_cache=300
     )
     timeout = aiohttp.ClientTimeout(
         total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
