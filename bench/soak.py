@@ -1224,6 +1224,8 @@ def markdown(result: dict[str, Any], short: bool) -> str:
     stem = Path(result["out"]).name
     pool = cfg["prompt_pool"]
     prompts = f"prompt cycled from a set of {pool}" if pool else "fresh prompt"
+    capacity = cfg.get("index_capacity") or 65_536
+    nodes = 4 * capacity if cfg.get("index_capacity") else 262_144
     lines = [
         "# Soak: sustained mix, then replica kill/restart"
         + (" (SHORT validation run)" if short else ""),
@@ -1340,8 +1342,8 @@ def markdown(result: dict[str, Any], short: bool) -> str:
                 mem["index_last_whole_run"],
             )
             lines += [
-                "- The prefix router's index (bounded: 65,536 served prompts, 262,144 nodes by "
-                f"default) grows while new prompts arrive: served {a['served']:.0f} -> "
+                f"- The prefix router's index (bounded: {capacity} served prompts, "
+                f"{nodes} nodes in this run) grows while new prompts arrive: served {a['served']:.0f} -> "
                 f"{b['served']:.0f} -> {c['served']:.0f}, nodes {a['nodes']:.0f} -> "
                 f"{b['nodes']:.0f} -> {c['nodes']:.0f} (end of warm-up -> end of steady -> "
                 f"end), its own size estimate {a['bytes'] / MIB:.1f} -> {b['bytes'] / MIB:.1f} "
@@ -1489,6 +1491,14 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="distinct prompts, cycled (0 = a fresh prompt for every group)",
     )
+    parser.add_argument(
+        "--index-capacity",
+        type=int,
+        default=4096,
+        help="the gateway's prefix-index capacity in served prompts (nodes: 4x). Small "
+        "enough to fill during warm-up, so RSS after it shows leaks, not the index's "
+        "designed, bounded fill (0 = the gateway default, 65,536)",
+    )
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--latency-model", default=DEFAULT_LATENCY, help="sim-replica spec")
     parser.add_argument("--health-interval", type=float, default=1.0)
@@ -1545,6 +1555,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.health_interval:g}",
     ]
     (log_dir / "admin-key").write_text(admin_key)
+    if args.index_capacity > 0:
+        routing = {"index_capacity": args.index_capacity, "node_capacity": 4 * args.index_capacity}
+        (log_dir / "gateway.yaml").write_text(json.dumps({"routing": routing}))  # JSON is YAML
+        gw_argv += ["--config", str(log_dir / "gateway.yaml")]
     gateway = Proc("gateway", gw_argv, log_dir / "gateway.log")
     print(f"logs in {log_dir}", file=sys.stderr)
     soak: Soak | None = None
@@ -1578,6 +1592,7 @@ def main(argv: list[str] | None = None) -> int:
             "lora_fraction": args.lora_fraction,
             "replicas": args.replicas,
             "prompt_pool": args.prompt_pool,
+            "index_capacity": args.index_capacity,
             "latency_model": args.latency_model,
             "health_interval_s": args.health_interval,
             "window_s": args.window,
