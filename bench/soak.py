@@ -1343,7 +1343,8 @@ def markdown(result: dict[str, Any], short: bool) -> str:
             )
             lines += [
                 f"- The prefix router's index (bounded: {capacity} served prompts, "
-                f"{nodes} nodes in this run) grows while new prompts arrive: served {a['served']:.0f} -> "
+                f"{nodes} nodes in this run) grows while new prompts arrive: served "
+                f"{a['served']:.0f} -> "
                 f"{b['served']:.0f} -> {c['served']:.0f}, nodes {a['nodes']:.0f} -> "
                 f"{b['nodes']:.0f} -> {c['nodes']:.0f} (end of warm-up -> end of steady -> "
                 f"end), its own size estimate {a['bytes'] / MIB:.1f} -> {b['bytes'] / MIB:.1f} "
