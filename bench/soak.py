@@ -1495,7 +1495,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--index-capacity",
         type=int,
-        default=4096,
+        default=2048,
         help="the gateway's prefix-index capacity in served prompts (nodes: 4x). Small "
         "enough to fill during warm-up, so RSS after it shows leaks, not the index's "
         "designed, bounded fill (0 = the gateway default, 65,536)",
