@@ -2,8 +2,9 @@
 
 Fronts: ``direct`` (upstream 1 itself), ``gateway`` (the current tree, ``--log-level
 WARNING``), ``vllm-router`` (Rust, ``round_robin``) and, non-streaming only, ``passthrough``:
-the smallest proxy on the gateway's own stack (``_passthrough`` below), i.e. the floor a
-Python gateway on uvicorn + aiohttp cannot go below. All sit in front of the SAME two instant
+the smallest proxy on uvicorn + aiohttp (``_passthrough`` below): what a Python proxy on that
+stack does with no gateway feature at all (the gateway's ROUTED path now uses its own client,
+``gateway/h1client.py``, instead of aiohttp). All sit in front of the SAME two instant
 upstreams, which this script runs itself (``_upstream`` below): a non-streaming request gets
 ``bench/instant_upstream.py``'s canned ~0.9 KB completion; a request with ``"stream": true``
 gets 16 vLLM-shaped SSE token events and ``data: [DONE]``, each event its own HTTP chunk and
@@ -1085,11 +1086,12 @@ def render_why(report: dict[str, Any], prof: dict[str, Any]) -> list[str]:
     pt = non.get("ladder", {}).get("ceilings", {}).get("passthrough")
     pt_closed = non.get("closed_loop", {}).get("summary", {}).get("passthrough", {})
     floor = (
-        f" The minimal pass-through on the same stack (no routing, metrics or header work) "
+        f" The minimal pass-through on uvicorn + aiohttp (no routing, metrics or header work) "
         f"sustained {pt['max_sustained_rps']:,.0f} req/s in this run ("
         f"{pt_closed.get('rps', float('nan')):,.0f} closed-loop, "
-        f"{pt_closed.get('front_cpu_us_per_req', float('nan')):.0f} µs/req): that is the "
-        "ceiling of the stack itself, before any gateway feature."
+        f"{pt_closed.get('front_cpu_us_per_req', float('nan')):.0f} µs/req): a Python "
+        "proxy on that stack without a single gateway feature does no better; the gateway's "
+        "own upstream client (gateway/h1client.py) is what took it past that."
         if pt
         else ""
     )
