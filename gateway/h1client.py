@@ -370,25 +370,44 @@ class H1Pool:
         self._idle: list[_Conn] = []
         self._open: set[_Conn] = set()
         self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.stale_resends = 0
+        """Requests sent again after a reused connection died before answering."""
 
     async def request(self, head: bytes, body: bytes) -> H1Response:
         """Send ``head`` (request line + headers + blank line) and ``body``; return once
-        the response headers arrived (errors: see the module docstring)."""
-        conn = await self._acquire()
+        the response headers arrived (errors: see the module docstring).
+
+        A *reused* connection that dies before any response byte was most likely closed
+        by the replica's keep-alive timeout as the request went out: the request is sent
+        once more on a new connection, instead of failing over to another replica and
+        counting a healthy one as dead."""
+        conn, reused = await self._acquire()
+        try:
+            return await conn.start(head, body)
+        except ResetBeforeResponse:
+            conn.abandon()
+            if not reused:
+                raise
+        except BaseException:
+            conn.abandon()
+            raise
+        self.stale_resends += 1
+        conn, _ = await self._acquire(fresh=True)
         try:
             return await conn.start(head, body)
         except BaseException:
             conn.abandon()
             raise
 
-    async def _acquire(self) -> _Conn:
+    async def _acquire(self, *, fresh: bool = False) -> tuple[_Conn, bool]:
+        """A connection, and whether it served before (``fresh``: never an idle one)."""
         idle = self._idle
         while True:
             now = time.monotonic()
-            while idle:
+            while idle and not fresh:
                 conn = idle.pop()
                 if not conn.lost and now - conn.idle_since < self.keepalive_s:
-                    return conn
+                    return conn, True
                 conn._abort()
                 self._open.discard(conn)
             if len(self._open) < self.max_connections:
@@ -414,7 +433,7 @@ class H1Pool:
         except BaseException:
             self.discard(conn)
             raise
-        return conn
+        return conn, False
 
     def put_back(self, conn: _Conn) -> None:
         self._idle.append(conn)

@@ -114,6 +114,41 @@ async def test_close_before_any_byte_is_retryable_reset() -> None:
         assert not pool._open
 
 
+async def test_reused_connection_closed_as_the_request_went_out_is_resent_once() -> None:
+    """The keep-alive race: the replica drops an idle connection just as the next request
+    is written on it. That request is sent again on a new connection, not failed over."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await read_request(reader)  # the second request on this connection: dropped
+
+    async with server(handler) as (port, accepted):
+        pool = pool_for(port)
+        first = await pool.request(HEAD, b"{}")
+        assert await first.read() == b"ok"
+        first.release()
+        second = await pool.request(HEAD, b"{}")  # reuses, is dropped, resent
+        assert await second.read() == b"ok"
+        second.release()
+        assert pool.stale_resends == 1
+        pool.close()
+    assert accepted[0] == 2
+
+
+async def test_a_new_connection_closed_before_answering_is_not_resent() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+
+    async with server(handler) as (port, accepted):
+        pool = pool_for(port)
+        with pytest.raises(ResetBeforeResponse):
+            await pool.request(HEAD, b"{}")
+        assert pool.stale_resends == 0
+    assert accepted[0] == 1
+
+
 async def test_close_mid_body_is_a_broken_response() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
