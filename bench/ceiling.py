@@ -68,7 +68,16 @@ if str(HERE) not in sys.path:  # run as a script this is already the case
 import instant_upstream  # noqa: E402
 import loadgen  # noqa: E402
 import overhead  # noqa: E402
-from overhead import BIN, PY, Fleet, cpu_ns, free_port, med, wait_ready  # noqa: E402
+from overhead import (  # noqa: E402
+    BIN,
+    PY,
+    Fleet,
+    cpu_ns,
+    free_port,
+    med,
+    start_vllm_router,
+    wait_ready,
+)
 
 CONNECTIONS = 64
 STREAM_TOKENS = 16
@@ -144,21 +153,8 @@ class _Upstream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buf += data
         assert self.transport is not None
-        while True:
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = self.buf[:end].lower()
-            length = 0
-            marker = head.find(b"content-length:")
-            if marker >= 0:
-                line_end = head.find(b"\r\n", marker)
-                length = int(head[marker + 15 : line_end if line_end > 0 else None])
-            total = end + 4 + length
-            if len(self.buf) < total:
-                return
-            body = self.buf[end + 4 : total]
-            self.buf = self.buf[total:]
+        while (request := instant_upstream.next_request(self.buf)) is not None:
+            head, body, self.buf = request
             if head.startswith(b"get /health"):
                 self.transport.write(instant_upstream._HEALTH)
             elif _STREAM_FLAG.search(body):
@@ -485,32 +481,10 @@ def fleet_up(
             fronts["passthrough"] = f"http://127.0.0.1:{pt_port}"
             pids["passthrough"] = passthrough.popen.pid
 
-        router_bin = BIN / "vllm-router"
-        if not router_bin.exists() and shutil.which("vllm-router"):
-            router_bin = Path(shutil.which("vllm-router") or "")
         router = None
-        if with_router and router_bin.exists():
-            rport, mport = free_port(), free_port()
-            router = fleet.start(
-                "vllm-router",
-                [
-                    str(router_bin),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(rport),
-                    "--worker-urls",
-                    *up_urls,
-                    "--policy",
-                    "round_robin",
-                    "--prometheus-host",
-                    "127.0.0.1",
-                    "--prometheus-port",
-                    str(mport),
-                ],
-                "front",
-            )
-            fronts["vllm-router"] = f"http://127.0.0.1:{rport}"
+        started = start_vllm_router(fleet, up_urls) if with_router else None
+        if started is not None:
+            router, fronts["vllm-router"] = started
             pids["vllm-router"] = router.popen.pid
         wait_ready(fronts["gateway"] + "/health", gw)
         if passthrough is not None:

@@ -50,21 +50,27 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        while True:
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = self.buf[:end].lower()
-            length = 0
-            marker = head.find(b"content-length:")
-            if marker >= 0:
-                line_end = head.find(b"\r\n", marker)
-                length = int(head[marker + 15 : line_end if line_end > 0 else None])
-            total = end + 4 + length
-            if len(self.buf) < total:
-                return
-            self.buf = self.buf[total:]
+        while (request := next_request(self.buf)) is not None:
+            head, _, self.buf = request
             self.transport.write(_HEALTH if head.startswith(b"get /health") else _RESPONSE)
+
+
+def next_request(buf: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """(lower-cased head, body, rest of ``buf``) of the first complete request in
+    ``buf`` (``Content-Length`` framing only: the load clients send nothing else)."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = buf[:end].lower()
+    length = 0
+    marker = head.find(b"content-length:")
+    if marker >= 0:
+        line_end = head.find(b"\r\n", marker)
+        length = int(head[marker + 15 : line_end if line_end > 0 else None])
+    total = end + 4 + length
+    if len(buf) < total:
+        return None
+    return head, buf[end + 4 : total], buf[total:]
 
 
 async def serve(host: str, port: int) -> None:

@@ -264,6 +264,21 @@ def med(values: list[float]) -> float:
     return round(statistics.median(vals), 4) if vals else float("nan")
 
 
+def start_vllm_router(fleet: Fleet, up_urls: list[str]) -> tuple[Proc, str] | None:
+    """vllm-router (``round_robin``) over ``up_urls`` on the front core, or None if it is
+    not installed; returns the process and its URL (wait for ``/health`` before use)."""
+    router_bin = BIN / "vllm-router"
+    if not router_bin.exists() and shutil.which("vllm-router"):
+        router_bin = Path(shutil.which("vllm-router") or "")
+    if not router_bin.exists():
+        return None
+    rport, mport = free_port(), free_port()
+    argv = [str(router_bin), "--host", "127.0.0.1", "--port", str(rport), "--worker-urls",
+            *up_urls, "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(mport)]  # fmt: skip
+    return fleet.start("vllm-router", argv, "front"), f"http://127.0.0.1:{rport}"
+
+
 @contextlib.contextmanager
 def fleet_up(
     args: argparse.Namespace, log_dir: Path
@@ -294,32 +309,10 @@ def fleet_up(
         fronts["gateway"] = f"http://127.0.0.1:{gw_port}"
         pids["gateway"] = gw.popen.pid
 
-        router_bin = BIN / "vllm-router"
-        if not router_bin.exists() and shutil.which("vllm-router"):
-            router_bin = Path(shutil.which("vllm-router") or "")
         router = None
-        if router_bin.exists() and not args.no_router:
-            rport, mport = free_port(), free_port()
-            router = fleet.start(
-                "vllm-router",
-                [
-                    str(router_bin),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(rport),
-                    "--worker-urls",
-                    *up_urls,
-                    "--policy",
-                    "round_robin",
-                    "--prometheus-host",
-                    "127.0.0.1",
-                    "--prometheus-port",
-                    str(mport),
-                ],
-                "front",
-            )
-            fronts["vllm-router"] = f"http://127.0.0.1:{rport}"
+        started = None if args.no_router else start_vllm_router(fleet, up_urls)
+        if started is not None:
+            router, fronts["vllm-router"] = started
             pids["vllm-router"] = router.popen.pid
 
         wait_ready(fronts["gateway"] + "/health", gw)
