@@ -348,6 +348,15 @@ class Fleet:
         data: dict[str, Any] = r.json()
         return data
 
+    async def routable(self, name: str) -> list[int]:
+        """Replicas the gateway would send a request for adapter ``name`` to."""
+        status = await self.status()
+        for adapter in status["adapters"]["adapters"]:
+            if adapter["name"] == name and adapter["state"] == "live":
+                up = {r["index"] for r in status["adapters"]["replicas"] if r["state"] == "up"}
+                return sorted(set(adapter["replicas"]) & up)
+        return []
+
     async def healthy(self, index: int) -> bool:
         return bool((await self.status())["replicas"][index]["healthy"])
 

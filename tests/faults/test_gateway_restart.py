@@ -26,15 +26,6 @@ async def _model_ids(f: Fleet) -> list[str]:
     return [m["id"] for m in r.json()["data"]]
 
 
-async def _routable(f: Fleet, name: str) -> list[int]:
-    status = await f.status()
-    for adapter in status["adapters"]["adapters"]:
-        if adapter["name"] == name and adapter["state"] == "live":
-            up = {r["index"] for r in status["adapters"]["replicas"] if r["state"] == "up"}
-            return sorted(set(adapter["replicas"]) & up)
-    return []
-
-
 async def _holding(f: Fleet, name: str) -> list[int]:
     return [i for i in range(len(f.sims)) if name in await f.held(i)]
 
@@ -74,7 +65,7 @@ async def test_gateway_sigkill_mid_run_rebuilds_from_replicas(tmp_path: Path) ->
                                          "pol-v2": "/adapters/pol-v2"}  # fmt: skip
             assert stats["loads"] == before[i]["loads"] == ["pol-v1", "pol-v2"], stats
             assert stats["unloads"] == before[i]["unloads"] == [], stats
-        assert await _routable(f, "pol-v2") == [0, 1]
+        assert await f.routable("pol-v2") == [0, 1]
 
         # The trainer's next calls succeed: rollouts, the next version, eviction of v1.
         again = Load(f, workers=4, models=["tiny-base", "pol-v2"], seed=6)
@@ -108,7 +99,7 @@ async def test_gateway_sigkill_mid_fan_out_converges(tmp_path: Path) -> None:
 
         # Never routable on only some replicas, until it is on all of them.
         async def converged() -> bool:
-            routable = await _routable(f, "pol-v2")
+            routable = await f.routable("pol-v2")
             holding = await _holding(f, "pol-v2")
             assert set(routable) <= set(holding), (routable, holding)
             return routable == holding == [0, 1]
