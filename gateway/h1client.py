@@ -174,7 +174,10 @@ class _Conn(asyncio.Protocol):
 
     def __init__(self, pool: H1Pool) -> None:
         self.pool = pool
-        self.parser = httptools.HttpResponseParser(self)
+        # The parser holds this protocol's callbacks: a reference cycle, broken in
+        # ``connection_lost`` so a closed connection is freed at once, not at the next
+        # full GC collection (which the tuned thresholds in ``cli.serve`` make rare).
+        self.parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.response: H1Response | None = None
         self.headers_ready: asyncio.Future[H1Response] | None = None
@@ -202,6 +205,8 @@ class _Conn(asyncio.Protocol):
             self._abort()
             return
         self.received = True
+        if self.parser is None:  # lost already; uvloop may still deliver a last read
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -210,6 +215,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self.parser = None
         self.pool.discard(self)
         if self.timer is not None:
             self.timer.cancel()
@@ -235,6 +241,7 @@ class _Conn(asyncio.Protocol):
         response = self.response
         assert response is not None
         parser = self.parser
+        assert parser is not None
         response.status = parser.get_status_code()
         self.keep_alive = parser.should_keep_alive()
         chunked = False

@@ -4,6 +4,8 @@ and the error contract (what is retryable, what is a mid-response failure)."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -238,6 +240,36 @@ async def test_cancelled_request_closes_its_connection() -> None:
             await task
         await asyncio.wait_for(got_eof.wait(), 5)
         assert not pool._open
+
+
+async def test_a_closed_connection_is_freed_by_reference_counting() -> None:
+    """Upstream connections churn all day (idle drops, ``Connection: close``, aborts). A
+    closed one must be freed when it closes, not wait for a full GC pass: the gateway
+    makes those rare (``cli.serve``), and the soak's RSS grew while they waited."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+        await writer.drain()
+
+    async with server(handler) as (port, _):
+        pool = pool_for(port)
+        gc.disable()
+        try:
+            response = await pool.request(HEAD, b"{}")
+            conns = [weakref.ref(conn) for conn in pool._open]
+            assert len(conns) == 1
+            assert await response.read() == b"{}"
+            response.release()
+            del response
+            for _ in range(100):  # connection_lost runs on a later loop pass
+                await asyncio.sleep(0.01)
+                if conns[0]() is None:
+                    break
+            assert conns[0]() is None, "the closed connection is only reachable by the GC"
+        finally:
+            gc.enable()
+        pool.close()
 
 
 async def test_large_bodies_sized_and_streamed() -> None:
