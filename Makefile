@@ -13,7 +13,7 @@ help:
 	@echo "make test-fast - unit + integration tests only (no real vLLM)"
 	@echo "make bench  - run the benchmarks in bench/ and refresh bench/results/"
 	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
-	@echo "make bench-ceiling - max sustained req/s vs vllm-router, with a py-spy profile (~12 min)"
+	@echo "make bench-ceiling - max sustained req/s vs vllm-router, with a py-spy profile (<= 15 min)"
 
 $(STAMP): pyproject.toml
 	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv

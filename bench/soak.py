@@ -1563,6 +1563,9 @@ def main(argv: list[str] | None = None) -> int:
     gateway = Proc("gateway", gw_argv, log_dir / "gateway.log")
     print(f"logs in {log_dir}", file=sys.stderr)
     soak: Soak | None = None
+    # SIGTERM (a stopped run) unwinds through the finally below: the children run in their
+    # own sessions, so nothing else would stop them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         for proc in sims:
             proc.start()

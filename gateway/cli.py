@@ -136,6 +136,7 @@ def serve(argv: Sequence[str]) -> int:
 
     from gateway.app import create_app
     from gateway.config import load_settings
+    from gateway.h1server import lean_protocol
     from gateway.logs import configure_logging
     from gateway.serving import listen_socket
 
@@ -164,7 +165,7 @@ def serve(argv: Sequence[str]) -> int:
     config = uvicorn.Config(
         app,
         loop="uvloop",
-        http="httptools",
+        http=lean_protocol(app),  # rollouts lean, every other connection uvicorn's httptools
         access_log=False,
         proxy_headers=False,  # the gateway is the edge of its pod; no X-Forwarded-* trust
         log_config=None,

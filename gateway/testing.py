@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Iterator
 import uvicorn
 from starlette.types import ASGIApp
 
+from gateway.h1server import lean_protocol
+from gateway.routes import FastPath
 from gateway.serving import listen_socket
 
 __all__ = ["serve_asgi"]
@@ -31,13 +33,20 @@ class _Server(uvicorn.Server):
 
 @contextlib.asynccontextmanager
 async def serve_asgi(
-    app: ASGIApp, *, port: int = 0, startup_timeout: float = 10.0
+    app: ASGIApp,
+    *,
+    port: int = 0,
+    startup_timeout: float = 10.0,
+    http: type[asyncio.Protocol] | None = None,
 ) -> AsyncIterator[str]:
-    """Serve ``app`` until the block exits; yields its base URL. Lifespan runs as usual."""
+    """Serve ``app`` until the block exits; yields its base URL. Lifespan runs as usual.
+    The gateway's app gets its lean protocol, as ``rollout-gateway serve`` gives it."""
     sock = listen_socket("127.0.0.1", port)
     bound = sock.getsockname()[1]
+    if http is None and isinstance(app, FastPath):
+        http = lean_protocol(app)
     config = uvicorn.Config(
-        app, http="httptools", log_config=None, access_log=False, lifespan="on", ws="none"
+        app, http=http or "httptools", log_config=None, access_log=False, lifespan="on", ws="none"
     )
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
