@@ -34,6 +34,8 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.server import ServerState
 
+from gateway.relay import LOST
+
 __all__ = ["lean_protocol"]
 
 log = logging.getLogger("gateway.server")
@@ -79,6 +81,7 @@ class LeanProtocol(asyncio.Protocol):
         self.write_paused = False
         self.drained: asyncio.Future[None] | None = None
         self.lost = False
+        self.lost_signal: asyncio.Future[None] = self.loop.create_future()  # relay.LOST
         self.closing = False
         self.server: tuple[str, int] | None = None
         self.client: tuple[str, int] | None = None
@@ -111,6 +114,8 @@ class LeanProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if not self.lost_signal.done():
+            self.lost_signal.set_result(None)
         self.parser = None  # the parser holds our callbacks: break the cycle
         self.server_state.connections.discard(self)
         if self.idle_timer is not None:
@@ -214,6 +219,7 @@ class LeanProtocol(asyncio.Protocol):
             "path": raw_path.decode("ascii"),
             "raw_path": raw_path,
             "query_string": b"",
+            LOST: self.lost_signal,
         }
         exchange = _Exchange(self, message[head_size:], keep_alive)
         self.exchange = exchange

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 from starlette.responses import Response
@@ -30,6 +30,8 @@ __all__ = ["BodyResponse", "ClientDisconnected", "RelayResponse", "cancel_on_dis
 
 T = TypeVar("T")
 _ARM_AFTER_S = 0.05
+LOST = "gateway.lost"
+"""Scope key: a future the server resolves when the client's connection is lost."""
 
 
 class ClientDisconnected(Exception):
@@ -93,7 +95,7 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         completed = False
         try:
-            completed = await cancel_on_disconnect(receive, self._pump(send))
+            completed = await cancel_on_disconnect(scope, receive, self._pump(send))
         except (ClientDisconnected, OSError):
             pass  # the client left; nobody to answer
         finally:
@@ -111,15 +113,20 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-async def cancel_on_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+async def cancel_on_disconnect(scope: Scope, receive: Receive, work: Awaitable[T]) -> T:
     """Await ``work``; if the client disconnects first, cancel it and raise
     ``ClientDisconnected``.
 
-    The watcher task is armed lazily, after ``_ARM_AFTER_S``: most rollouts finish sooner
-    and then cost one timer instead of one task (a disconnect is still noticed within
-    that delay, which is what cancelling an upstream generation needs)."""
+    On a connection served by ``gateway.h1server`` the scope carries ``LOST``, a future
+    resolved when the connection is lost: watching costs one callback. Otherwise a
+    watcher task reads ``receive``; it is armed lazily, after ``_ARM_AFTER_S``: most
+    rollouts finish sooner and then cost one timer instead of one task (a disconnect is
+    still noticed within that delay, which is what cancelling a generation needs)."""
     task = asyncio.current_task()
     assert task is not None
+    lost: asyncio.Future[None] | None = scope.get(LOST)
+    if lost is not None:
+        return await _cancel_on_lost(lost, task, work)
     watcher: asyncio.Future[None] | None = None
 
     def on_disconnect(w: asyncio.Future[None]) -> None:
@@ -144,3 +151,27 @@ async def cancel_on_disconnect(receive: Receive, work: Awaitable[T]) -> T:
         if watcher is not None:
             watcher.remove_done_callback(on_disconnect)
             watcher.cancel()
+
+
+async def _cancel_on_lost(
+    lost: asyncio.Future[None], task: asyncio.Task[Any], work: Awaitable[T]
+) -> T:
+    fired = settled = False
+
+    def on_lost(_: asyncio.Future[None]) -> None:
+        nonlocal fired
+        if not settled:  # a callback already scheduled when ``work`` ended does nothing
+            fired = True
+            task.cancel()
+
+    lost.add_done_callback(on_lost)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if fired:
+            task.uncancel()
+            raise ClientDisconnected from None
+        raise
+    finally:
+        settled = True
+        lost.remove_done_callback(on_lost)

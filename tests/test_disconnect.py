@@ -5,12 +5,18 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from gateway.sim.config import SimConfig
 from gateway.sim.latency import LatencyModel
 from tests.cluster import Cluster, cluster
 
 SLOW = SimConfig(latency=LatencyModel(decode=0.05))  # 200 tokens = 10 s if not cancelled
+# The lean server protocol signals a lost connection itself; with a query string the
+# connection is uvicorn's and the gateway watches ASGI ``receive`` instead.
+BOTH_SERVERS = pytest.mark.parametrize(
+    "path", ["/v1/completions", "/v1/completions?via=uvicorn"], ids=["lean", "uvicorn"]
+)
 
 
 async def _settled(c: Cluster, timeout: float = 3.0) -> bool:
@@ -22,10 +28,11 @@ async def _settled(c: Cluster, timeout: float = 3.0) -> bool:
     return False
 
 
-async def test_stream_disconnect_cancels_upstream() -> None:
+@BOTH_SERVERS
+async def test_stream_disconnect_cancels_upstream(path: str) -> None:
     body = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 200, "stream": True}
     async with cluster(1, sim_config=SLOW) as c, httpx.AsyncClient(base_url=c.url) as client:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", path, json=body) as r:
             assert r.status_code == 200
             async for _ in r.aiter_bytes():
                 break  # first chunk, then hang up
@@ -35,12 +42,13 @@ async def test_stream_disconnect_cancels_upstream() -> None:
         assert "gateway_client_disconnects_total 1.0" in metrics
 
 
-async def test_buffered_disconnect_cancels_upstream() -> None:
+@BOTH_SERVERS
+async def test_buffered_disconnect_cancels_upstream(path: str) -> None:
     body = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 200}
     async with cluster(1, sim_config=SLOW) as c:
         async with httpx.AsyncClient(base_url=c.url, timeout=0.5) as client:
             try:
-                await client.post("/v1/completions", json=body)
+                await client.post(path, json=body)
             except httpx.ReadTimeout:
                 pass
             else:
