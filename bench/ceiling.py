@@ -415,6 +415,14 @@ def stream_bodies() -> list[bytes]:
     return out
 
 
+def _user_sys_s(pid: int) -> tuple[float, float]:
+    """utime, stime of ``pid`` in seconds (``/proc/PID/stat`` fields 14, 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def client_main(argv: list[str]) -> int:
     import uvloop
 
@@ -443,6 +451,7 @@ def client_main(argv: list[str]) -> int:
                 bodies=bodies,
             )
         cpu0, t0 = cpu_ns(args.cpu_pid) if args.cpu_pid else 0, time.perf_counter()
+        split0 = _user_sys_s(args.cpu_pid) if args.cpu_pid else (0.0, 0.0)
         own0 = time.process_time()
         if args.announce:
             print("started", file=sys.stderr, flush=True)
@@ -475,6 +484,11 @@ def client_main(argv: list[str]) -> int:
             # Window = the whole run incl. connect + priming (~0.1 s): util reads slightly low.
             out["front_cpu_util"] = round(used / 1e9 / wall, 3)
             out["front_cpu_us_per_req"] = round(used / 1000 / max(1, served), 1)
+            # Where it went: user space (the front's own code) or the kernel (syscalls,
+            # loopback TCP). Clock ticks (10 ms): meaningful over whole runs only.
+            split = _user_sys_s(args.cpu_pid)
+            for i, key in enumerate(("front_user_us_per_req", "front_sys_us_per_req")):
+                out[key] = round((split[i] - split0[i]) * 1e6 / max(1, served), 1)
         return out
 
     out = uvloop.run(go())
@@ -786,6 +800,10 @@ def closed_loop(
             "errors": sum(int(r["errors"]) for r in rs),
             "front_cpu_util": med([r.get("front_cpu_util", float("nan")) for r in rs]),
             "front_cpu_us_per_req": med([r.get("front_cpu_us_per_req", float("nan")) for r in rs]),
+            **{
+                key: med([r.get(key, float("nan")) for r in rs])
+                for key in ("front_user_us_per_req", "front_sys_us_per_req")
+            },
         }
         for f, rs in runs.items()
     }
@@ -1165,6 +1183,19 @@ def render_why(report: dict[str, Any], prof: dict[str, Any]) -> list[str]:
     )
     gap = cpu["gateway"] - cpu["floor"]
     server = asgi * cpu["gateway"]
+    closed = non.get("closed_loop", {}).get("summary", {})
+    split = "; ".join(
+        f"{f} {closed[f]['front_user_us_per_req']:.0f} + {closed[f]['front_sys_us_per_req']:.0f}"
+        for f in ("gateway", "floor", "vllm-router")
+        if f in closed and "front_user_us_per_req" in closed[f]
+    )
+    split_text = (
+        f" Closed loop at {CONNECTIONS} in flight, user + kernel CPU µs per request: {split}: "
+        "the kernel's share (syscalls, loopback TCP) is alike, the difference is user-space "
+        "work, i.e. Python executed per request."
+        if split
+        else ""
+    )
     return [
         "**Why the gateway stops where it does.** It is one Python process (one event loop) "
         f"on one core: {TARGET_RPS:,.0f} req/s leaves {1e6 / TARGET_RPS:.0f} µs of CPU per "
@@ -1178,7 +1209,7 @@ def render_why(report: dict[str, Any], prof: dict[str, Any]) -> list[str]:
         f"puts {asgi:.0%} of the gateway's samples (≈ {server:.0f} µs/req) in uvicorn and "
         "the ASGI layer, and the rest in per-request work the floor does not do (prefix-"
         "affinity routing over the prompt's blocks, the JSON parse and limits, header "
-        "hygiene, admission, outlier and retry bookkeeping, metrics).",
+        f"hygiene, admission, outlier and retry bookkeeping, metrics).{split_text}",
         "",
     ]
 

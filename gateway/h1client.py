@@ -174,6 +174,8 @@ class _Conn(asyncio.Protocol):
 
     def __init__(self, pool: H1Pool) -> None:
         self.pool = pool
+        # Once per connection: in CPython 3.11 each get_running_loop() is a getpid() syscall.
+        self.loop = asyncio.get_running_loop()
         # The parser holds this protocol's callbacks: a reference cycle, broken in
         # ``connection_lost`` so a closed connection is freed at once, not at the next
         # full GC collection (which the tuned thresholds in ``cli.serve`` make rare).
@@ -274,7 +276,7 @@ class _Conn(asyncio.Protocol):
         response = H1Response(self)
         self.response = response
         self.received = self.complete = self.until_eof = False
-        self.headers_ready = waiter = asyncio.get_running_loop().create_future()
+        self.headers_ready = waiter = self.loop.create_future()
         if self.lost:
             waiter.set_exception(ResetBeforeResponse("replica closed the connection"))
             return waiter
@@ -295,7 +297,7 @@ class _Conn(asyncio.Protocol):
         self.pool.discard(self)
 
     def _arm(self, delay: float) -> None:
-        self.timer = asyncio.get_running_loop().call_later(delay, self._check_timeout)
+        self.timer = self.loop.call_later(delay, self._check_timeout)
 
     def _check_timeout(self) -> None:
         """One lazy timer per connection, not per request: re-armed for the remainder

@@ -113,7 +113,9 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-async def cancel_on_disconnect(scope: Scope, receive: Receive, work: Awaitable[T]) -> T:
+async def cancel_on_disconnect(
+    scope: Scope, receive: Receive, work: Awaitable[T], task: asyncio.Task[Any] | None = None
+) -> T:
     """Await ``work``; if the client disconnects first, cancel it and raise
     ``ClientDisconnected``.
 
@@ -121,8 +123,9 @@ async def cancel_on_disconnect(scope: Scope, receive: Receive, work: Awaitable[T
     resolved when the connection is lost: watching costs one callback. Otherwise a
     watcher task reads ``receive``; it is armed lazily, after ``_ARM_AFTER_S``: most
     rollouts finish sooner and then cost one timer instead of one task (a disconnect is
-    still noticed within that delay, which is what cancelling a generation needs)."""
-    task = asyncio.current_task()
+    still noticed within that delay, which is what cancelling a generation needs).
+    ``task``: the current task, if the caller has it at hand."""
+    task = task or asyncio.current_task()
     assert task is not None
     lost: asyncio.Future[None] | None = scope.get(LOST)
     if lost is not None:

@@ -334,7 +334,7 @@ async def dispatch(
             else _exchange(gw, index, request.method, path, query, headers, body)
         )
         try:
-            upstream, content = await cancel_on_disconnect(scope, request.receive, exchange)
+            upstream, content = await cancel_on_disconnect(scope, request.receive, exchange, task)
         except ReplicaConnectError as exc:
             _abandon(gw, pick, index, task)
             gw.on_connect_failure(index, exc.kind)
