@@ -1184,17 +1184,24 @@ def render_why(report: dict[str, Any], prof: dict[str, Any]) -> list[str]:
     gap = cpu["gateway"] - cpu["floor"]
     server = asgi * cpu["gateway"]
     closed = non.get("closed_loop", {}).get("summary", {})
-    split = "; ".join(
-        f"{f} {closed[f]['front_user_us_per_req']:.0f} + {closed[f]['front_sys_us_per_req']:.0f}"
-        for f in ("gateway", "floor", "vllm-router")
-        if f in closed and "front_user_us_per_req" in closed[f]
-    )
-    split_text = (
-        f" Closed loop at {CONNECTIONS} in flight, user + kernel CPU µs per request: {split}: "
-        "the kernel's share (syscalls, loopback TCP) is alike, the difference is user-space "
-        "work, i.e. Python executed per request."
-        if split
-        else ""
+    measured = ("gateway", "floor", "vllm-router")
+    have = [f for f in measured if "front_user_us_per_req" in closed.get(f, {})]
+    split_text = ""
+    if "gateway" in have and "floor" in have:
+        user = {f: closed[f]["front_user_us_per_req"] for f in have}
+        kernel = {f: closed[f]["front_sys_us_per_req"] for f in have}
+        split = "; ".join(f"{f} {user[f]:.0f} + {kernel[f]:.0f}" for f in have)
+        d_user = user["gateway"] - user["floor"]
+        d_all = d_user + kernel["gateway"] - kernel["floor"]
+        split_text = (
+            f" Closed loop at {CONNECTIONS} in flight, user + kernel CPU µs per request: {split}."
+            f" Of the gateway's {d_all:.0f} µs more than the floor, {d_user:.0f} µs are user "
+            "space: Python executed per request."
+        )
+    can = (
+        "a Python proxy can pass the target on this core, so the language is not the limit"
+        if floor_max >= TARGET_RPS
+        else "even the floor stays below the target here"
     )
     return [
         "**Why the gateway stops where it does.** It is one Python process (one event loop) "
@@ -1203,8 +1210,8 @@ def render_why(report: dict[str, Any], prof: dict[str, Any]) -> list[str]:
         f"{cpu['gateway']:.0f} µs/req, floor {cpu['floor']:.0f} µs{router}. The floor (a bare "
         "asyncio protocol on uvloop + httptools that forwards round robin through the "
         "gateway's own upstream client, with no ASGI server and no gateway feature) "
-        f"sustained {_fmt_rate(floor_max, ceilings['floor']['limit_reached'], 0)} req/s: a "
-        "Python proxy can pass the target on this core, so the language is not the limit. "
+        f"sustained {_fmt_rate(floor_max, ceilings['floor']['limit_reached'], 0)} req/s: "
+        f"{can}. "
         f"The gateway's extra {gap:.0f} µs/req is its stack and its features: the profile "
         f"puts {asgi:.0%} of the gateway's samples (≈ {server:.0f} µs/req) in uvicorn and "
         "the ASGI layer, and the rest in per-request work the floor does not do (prefix-"
