@@ -122,6 +122,19 @@ async def test_pipelined_rollouts_are_answered_in_order() -> None:
     assert tokens == [1, 2, 3, 4]
 
 
+async def test_request_pipelined_behind_a_rollout_is_handed_off_after_it(
+    handoffs: list[int],
+) -> None:
+    """A GET arriving in the same packet as a rollout waits for the rollout's answer, then
+    the connection (with the GET's bytes) goes to uvicorn."""
+    async with cluster(1) as c, connection(c) as (reader, writer):
+        writer.write(post() + b"GET /v1/models HTTP/1.1\r\nhost: gw\r\n\r\n")
+        (s1, _, completion), (s2, _, models) = await reader.responses(2)
+    assert s1 == 200 and json.loads(completion)["object"] == "text_completion"
+    assert s2 == 200 and json.loads(models)["object"] == "list"
+    assert len(handoffs) == 1
+
+
 async def test_streamed_rollout_is_chunked_and_ends_with_done() -> None:
     body = json.dumps({"model": "tiny-base", "prompt": [1], "max_tokens": 3, "stream": True})
     async with cluster(1) as c, connection(c) as (reader, writer):
