@@ -176,14 +176,16 @@ def upstream_main(argv: list[str]) -> int:
     chunks = _sse_chunks()
     _Upstream.stream_chunks = chunks if args.stream_writes == "event" else [b"".join(chunks)]
 
-    async def serve() -> None:
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(_Upstream, "127.0.0.1", args.port, backlog=2048)
-        async with server:
-            await server.serve_forever()
-
-    uvloop.run(serve())
+    uvloop.run(_serve_forever(_Upstream, args.port))
     return 0
+
+
+async def _serve_forever(factory: Callable[[], asyncio.Protocol], port: int) -> None:
+    """A protocol server on 127.0.0.1:``port`` until the process is stopped."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(factory, "127.0.0.1", port, backlog=2048)
+    async with server:
+        await server.serve_forever()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,10 +346,7 @@ def floor_main(argv: list[str]) -> int:
         parts = [urlsplit(u) for u in args.replica]
         _FloorConn.pools = [H1Pool(i, p.hostname or "", p.port or 80) for i, p in enumerate(parts)]
         _FloorConn.turn = itertools.cycle(range(len(parts)))
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(_FloorConn, "127.0.0.1", args.port, backlog=2048)
-        async with server:
-            await server.serve_forever()
+        await _serve_forever(_FloorConn, args.port)
 
     uvloop.run(serve())
     return 0

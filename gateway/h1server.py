@@ -87,6 +87,10 @@ class LeanProtocol(asyncio.Protocol):
         self.client: tuple[str, int] | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.last_active = 0.0
+        # the request being read: its head's size (0 = not parsed yet), body length, path
+        self.head_size = 0
+        self.length = 0
+        self.raw_path = b""
         # filled by the parser callbacks for the message being validated
         self.headers: list[tuple[bytes, bytes]] = []
         self.messages = 0
@@ -160,51 +164,79 @@ class LeanProtocol(asyncio.Protocol):
     # -- the request loop -------------------------------------------------------------
 
     def _next(self) -> None:
-        """Start the next buffered request, or hand the connection to uvicorn."""
-        if self.lost or self.closing:
+        """Start the next buffered request, or hand the connection to uvicorn. The head
+        is parsed once, when it is complete; the body is fed when all of it is in."""
+        if self.lost or self.closing or not self.buf:
             return
         buf = self.buf
-        if not buf:
-            return
-        if not buf.startswith(_ROUTED):
-            if len(buf) < _LONGEST and any(p.startswith(buf) for p in _ROUTED):
-                return  # the request line is still arriving
-            self._hand_off()
-            return
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > _MAX_HEAD:
+        if not self.head_size:
+            route = next((p for p in _ROUTED if buf.startswith(p)), None)
+            if route is None:
+                if len(buf) < _LONGEST and any(p.startswith(buf) for p in _ROUTED):
+                    return  # the request line is still arriving
                 self._hand_off()
-            return
-        length = _lean_length(bytes(buf[: end + 2]))
-        if length is None or length > _MAX_LEAN_BODY:
-            self._hand_off()
-            return
-        size = end + 4 + length
+                return
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > _MAX_HEAD:
+                    self._hand_off()
+                return
+            length = self._parse_head(bytes(buf[: end + 4]))
+            if length is None:
+                return  # refused or handed off
+            self.head_size, self.length = end + 4, length
+            self.raw_path = route[5 : route.index(b" ", 5)]
+        size = self.head_size + self.length
         if len(buf) < size:
             return  # the body is still arriving
-        message = bytes(buf[:size])
+        body = bytes(buf[self.head_size : size])
         del buf[:size]
-        self._serve(message, end + 4)
+        self.head_size = 0
+        self._serve(body)
 
-    def _serve(self, message: bytes, head_size: int) -> None:
+    def _parse_head(self, head: bytes) -> int | None:
+        """Validate the head with httptools and return the body's length; ``None`` once
+        the request was refused (400) or the connection handed to uvicorn (framings and
+        headers this protocol leaves to it)."""
         parser = self.parser
-        assert parser is not None and self.transport is not None
+        assert parser is not None
         self.headers = []
         self.messages = 0
         self.keep_alive = True
         self.complete = False
         try:
-            parser.feed_data(message)
+            parser.feed_data(head)
         except httptools.HttpParserError:
             self._refuse_400()
-            return
+            return None
+        length: int | None = None
+        for name, value in self.headers:
+            if name == b"content-length":
+                if length is not None or not value.strip().isdigit():
+                    length = -1
+                    break
+                length = int(value)
+            elif name in _HAND_OFF_HEADERS:
+                length = -1
+                break
+        if length is None or not 0 <= length <= _MAX_LEAN_BODY:
+            self._hand_off()
+            return None
+        return length
+
+    def _serve(self, body: bytes) -> None:
+        parser = self.parser
+        assert parser is not None and self.transport is not None
+        if body:
+            try:
+                parser.feed_data(body)
+            except httptools.HttpParserError:
+                self._refuse_400()
+                return
         if not self.complete or self.messages != 1:  # framings disagree: refuse, never guess
             self._refuse_400()
             return
-        keep_alive = self.keep_alive and not self.closing
-        line_end = message.index(b" HTTP/1.1\r\n")
-        raw_path = message[5:line_end]
+        raw_path = self.raw_path
         scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -221,7 +253,7 @@ class LeanProtocol(asyncio.Protocol):
             "query_string": b"",
             LOST: self.lost_signal,
         }
-        exchange = _Exchange(self, message[head_size:], keep_alive)
+        exchange = _Exchange(self, body, self.keep_alive and not self.closing)
         self.exchange = exchange
         task = self.loop.create_task(exchange.run(self.fast, scope))
         tasks = self.server_state.tasks
@@ -279,13 +311,17 @@ class LeanProtocol(asyncio.Protocol):
         )
         self.transport.close()
         self.buf.clear()
+        self.head_size = 0
 
     # -- idle keep-alive: one lazy timer per connection ------------------------------
 
     def _touch(self) -> None:
         self.last_active = self.loop.time()
         if self.idle_timer is None:
-            self.idle_timer = self.loop.call_later(self.config.timeout_keep_alive, self._check_idle)
+            self._arm_idle(self.config.timeout_keep_alive)
+
+    def _arm_idle(self, delay: float) -> None:
+        self.idle_timer = self.loop.call_later(delay, self._check_idle)
 
     def _check_idle(self) -> None:
         self.idle_timer = None
@@ -298,9 +334,7 @@ class LeanProtocol(asyncio.Protocol):
         if quiet >= self.config.timeout_keep_alive:
             self.transport.close()
         else:
-            self.idle_timer = self.loop.call_later(
-                self.config.timeout_keep_alive - quiet, self._check_idle
-            )
+            self._arm_idle(self.config.timeout_keep_alive - quiet)
 
     # -- write flow control ----------------------------------------------------------
 
@@ -455,25 +489,6 @@ class _Exchange:
             parts.append(b"connection: close\r\n")
         parts.append(b"\r\n")
         return b"".join(parts)
-
-
-def _lean_length(head: bytes) -> int | None:
-    """``Content-Length`` of a request head this protocol may serve, else ``None``: no
-    length, more than one, or a header that needs uvicorn's handling."""
-    length: int | None = None
-    for line in head.split(b"\r\n")[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep:
-            continue  # malformed: the parser refuses it with a 400
-        lower = name.lower()
-        if lower == b"content-length":
-            value = value.strip()
-            if length is not None or not value.isdigit():
-                return None
-            length = int(value)
-        elif lower in _HAND_OFF_HEADERS:
-            return None
-    return length
 
 
 def _addr(value: Any) -> tuple[str, int] | None:

@@ -105,15 +105,17 @@ async def test_chunked_stream_arrives_chunk_by_chunk() -> None:
         pool.close()
 
 
-async def test_close_before_any_byte_is_retryable_reset() -> None:
+async def test_new_connection_closed_before_any_byte_is_a_reset_not_resent() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
 
-    async with server(handler) as (port, _):
+    async with server(handler) as (port, accepted):
         pool = pool_for(port)
         with pytest.raises(ResetBeforeResponse):
             await pool.request(HEAD, b"{}")
         assert not pool._open
+        assert pool.stale_resends == 0  # only a *reused* connection is resent
+    assert accepted[0] == 1
 
 
 async def test_reused_connection_closed_as_the_request_went_out_is_resent_once() -> None:
@@ -137,18 +139,6 @@ async def test_reused_connection_closed_as_the_request_went_out_is_resent_once()
         assert pool.stale_resends == 1
         pool.close()
     assert accepted[0] == 2
-
-
-async def test_a_new_connection_closed_before_answering_is_not_resent() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-
-    async with server(handler) as (port, accepted):
-        pool = pool_for(port)
-        with pytest.raises(ResetBeforeResponse):
-            await pool.request(HEAD, b"{}")
-        assert pool.stale_resends == 0
-    assert accepted[0] == 1
 
 
 async def test_close_mid_body_is_a_broken_response() -> None:
