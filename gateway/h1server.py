@@ -34,7 +34,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.server import ServerState
 
-from gateway.relay import LOST
+from gateway.relay import LOST, RESPOND, TASK
 
 __all__ = ["lean_protocol"]
 
@@ -237,7 +237,7 @@ class LeanProtocol(asyncio.Protocol):
             self._refuse_400()
             return
         raw_path = self.raw_path
-        scope = {
+        scope: dict[str, Any] = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": "1.1",
@@ -254,8 +254,9 @@ class LeanProtocol(asyncio.Protocol):
             LOST: self.lost_signal,
         }
         exchange = _Exchange(self, body, self.keep_alive and not self.closing)
+        scope[RESPOND] = exchange.respond
         self.exchange = exchange
-        task = self.loop.create_task(exchange.run(self.fast, scope))
+        task = scope[TASK] = self.loop.create_task(exchange.run(self.fast, scope))
         tasks = self.server_state.tasks
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -463,6 +464,28 @@ class _Exchange:
         if not more:
             self._finish(reuse=self.keep_alive)
 
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        """``relay.RESPOND``: the whole response in one write, its headers trusted (see
+        there), so neither ASGI messages nor ``_head``'s checks are needed."""
+        conn = self.conn
+        if self.started or self.pending is not None or conn.write_paused:
+            return False
+        if self.gone or self.done:
+            return True
+        state = conn.server_state
+        defaults = state.default_headers
+        if defaults is not _DEFAULTS[0]:  # uvicorn renews the list (Date) once a second
+            _DEFAULTS[:] = [defaults, b"".join([n + b": " + v + b"\r\n" for n, v in defaults])]
+        parts = [STATUS_LINE[status], _DEFAULTS[1]]
+        parts += [n + b": " + v + b"\r\n" for n, v in headers]
+        parts.append(b"\r\n" if self.keep_alive else b"connection: close\r\n\r\n")
+        parts.append(body)
+        assert conn.transport is not None
+        conn.transport.write(b"".join(parts))
+        self.started = True
+        self._finish(reuse=self.keep_alive)
+        return True
+
     def _head(self, start: Message) -> bytes:
         headers = [*self.conn.server_state.default_headers, *start.get("headers", ())]
         # As uvicorn, refuse what would corrupt the framing; one search over all names and
@@ -489,6 +512,10 @@ class _Exchange:
             parts.append(b"connection: close\r\n")
         parts.append(b"\r\n")
         return b"".join(parts)
+
+
+# uvicorn's default headers (Date, Server) and their rendering, refreshed when it renews them.
+_DEFAULTS: list[Any] = [None, b""]
 
 
 def _addr(value: Any) -> tuple[str, int] | None:

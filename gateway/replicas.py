@@ -25,7 +25,7 @@ removed replica so requests in flight to it can finish and release.
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -165,6 +165,11 @@ class ReplicaPool:
     def membership(self) -> dict[str, int]:
         """URL -> index of the current members that discovery knows the URL of."""
         return {url: i for url, i in self._index_of.items() if self._all[i].member}
+
+    def loads(self, indices: Iterable[int]) -> dict[int, int]:
+        """``index -> in flight`` for ``indices`` (what a routing decision reads)."""
+        replicas = self._all
+        return {i: replicas[i].in_flight for i in indices}
 
     def healthy_indices(self) -> list[int]:
         return [r.index for r in self.replicas if r.up]

@@ -57,7 +57,13 @@ from gateway.errors import (
 )
 from gateway.logs import REQUEST_ID
 from gateway.metrics import CONTENT_TYPE, RouteKind
-from gateway.relay import BodyResponse, ClientDisconnected, RelayResponse, cancel_on_disconnect
+from gateway.relay import (
+    TASK,
+    BodyResponse,
+    ClientDisconnected,
+    RelayResponse,
+    cancel_on_disconnect,
+)
 from gateway.routing.policy import CandidateLoads, RouteRequest
 from gateway.upstream import (
     BufferedResponse,
@@ -277,8 +283,8 @@ class Pick:
     request then picks again among the others."""
 
     choose: Callable[[Sequence[int]], int]
-    started: Callable[[int], bool] = lambda index: True
-    finished: Callable[[int], None] = lambda index: None
+    started: Callable[[int], bool] | None = None
+    finished: Callable[[int], None] | None = None
 
 
 async def dispatch(
@@ -304,7 +310,7 @@ async def dispatch(
         headers = request_headers(scope["headers"], request_id)
         path = scope.get("raw_path", b"").decode("latin-1") or scope["path"]
         query = scope.get("query_string", b"").decode("latin-1")
-    task = asyncio.current_task()
+    task = scope.get(TASK) or asyncio.current_task()
     assert task is not None
     remaining = list(candidates)
     gw.retry_budget.record_request(time.monotonic())
@@ -320,7 +326,7 @@ async def dispatch(
             )
         index = pick.choose(remaining)
         remaining.remove(index)
-        if not pick.started(index):
+        if pick.started is not None and not pick.started(index):
             continue
         if retrying:
             gw.metrics.retries.inc()
@@ -425,7 +431,8 @@ async def _exchange_lean(
 
 def _release(gw: Gateway, pick: Pick, index: int) -> None:
     gw.pool.release(index)
-    pick.finished(index)
+    if pick.finished is not None:
+        pick.finished(index)
 
 
 def _abandon(gw: Gateway, pick: Pick, index: int, task: asyncio.Task[Any]) -> None:
@@ -462,7 +469,7 @@ async def routed(request: Request, gw: Gateway | None = None) -> Response:
     )
 
     def choose(remaining: Sequence[int]) -> int:
-        loads = CandidateLoads({i: gw.pool[i].in_flight for i in remaining})
+        loads = CandidateLoads(gw.pool.loads(remaining))
         t0 = time.perf_counter()
         decision = gw.router.choose(route_request, loads)
         gw.metrics.record_decision(decision, time.perf_counter() - t0)

@@ -71,9 +71,12 @@ class ReplicaView:
     in_flight: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RouteRequest:
     """Everything a policy may look at for one request (parsed once by the caller).
+
+    Treat it as immutable: not ``frozen``, because a frozen dataclass's ``__init__`` (one
+    ``object.__setattr__`` per field) costs ~1 us per routed request.
 
     ``session_key`` is the ``X-Session-ID`` header if present (the OpenAI ``user`` field is
     read from the payload). ``lacking_adapter`` names healthy replicas that were filtered out
