@@ -61,6 +61,11 @@ _ANCHOR = 1  # marks a node that some earlier prompt ends just after (with a tai
 _PROBE_LENGTHS = (16, 8, 4, 2, 1)
 
 
+def _probe_length(tail_len: int) -> int:
+    """The largest of ``_PROBE_LENGTHS`` that fits in a tail of ``tail_len`` bytes."""
+    return next(p for p in _PROBE_LENGTHS if p <= tail_len)
+
+
 @dataclass(frozen=True, slots=True)
 class IndexStats:
     served: int
@@ -171,28 +176,61 @@ class PrefixIndex:
         served = self._served
         leaf = hashes[-1]
         known = served.get(leaf)
-        served[leaf] = (replica, _EXACT, 0)
-        served.move_to_end(leaf)
+        if (
+            known is not None
+            and known[0] == replica
+            and known[1] == _EXACT
+            and self._refresh(key, replica, known[2])
+        ):
+            return  # a GRPO sibling, or a retry: the same entries, just refreshed
+        probe = 0
         if key.has_tail and len(hashes) > 1:
             # Anchor: mark the deepest whole block, and file (replica, tail hash, tail length)
             # under the hash of the tail's first bytes, so several prompts can share a node.
             node = hashes[-2]
             tail_len = min(len(key.data) - (len(hashes) - 1) * key.block, key.block)
-            length = next(p for p in _PROBE_LENGTHS if p <= tail_len)
-            probe = key.tail_at(len(hashes) - 2, length)
-            if probe is not None:
-                marked = served.get(node)
-                if marked is None or marked[1] != _EXACT:
-                    mask = length if marked is None else marked[2] | length
-                    served[node] = (replica, _ANCHOR, mask)
-                    served.move_to_end(node)
-                served[probe] = (replica, leaf, tail_len)
-                served.move_to_end(probe)
+            length = _probe_length(tail_len)
+            probe = key.tail_at(len(hashes) - 2, length) or 0
+        # An exact entry keeps its anchor's probe hash, so a sibling refreshes by lookup.
+        served[leaf] = (replica, _EXACT, probe)
+        served.move_to_end(leaf)
+        if probe:
+            marked = served.get(node)
+            if marked is None or marked[1] != _EXACT:
+                mask = length if marked is None else marked[2] | length
+                served[node] = (replica, _ANCHOR, mask)
+                served.move_to_end(node)
+            served[probe] = (replica, leaf, tail_len)
+            served.move_to_end(probe)
         while len(served) > self.index_capacity:
             served.popitem(last=False)
         if known is not None and known[1] == _EXACT:
             return  # chain already counted: no new successor information
         self._count_successors(hashes)
+
+    def _refresh(self, key: PromptKey, replica: int, probe: int) -> bool:
+        """``observe`` again of a prompt already served exactly on ``replica``: what the
+        full path would do (same entries, same LRU order) without re-hashing its tail.
+        False when an entry changed meanwhile (evicted, or taken by another prompt)."""
+        served = self._served
+        hashes = key.hashes
+        leaf = hashes[-1]
+        if not (key.has_tail and len(hashes) > 1):
+            served.move_to_end(leaf)
+            return True
+        entry = served.get(probe) if probe else None
+        if entry is None or entry[0] != replica or entry[1] != leaf:
+            return False
+        node = hashes[-2]
+        marked = served.get(node)
+        if marked is None or (marked[1] != _EXACT and not marked[2] & _probe_length(entry[2])):
+            return False
+        served.move_to_end(leaf)
+        if marked[1] != _EXACT:
+            served[node] = (replica, _ANCHOR, marked[2])
+            served.move_to_end(node)
+        served.move_to_end(probe)
+        return True
 
     def forget_replica(self, replica: int) -> int:
         """Drop every entry served by ``replica`` (its cache was lost); returns how many."""

@@ -94,3 +94,56 @@ def test_keys_compare_by_value() -> None:
     a, b = k(list(range(20))), k(list(range(20)))
     assert a == b and hash(a) == hash(b) and a != k(list(range(21)))
     assert "PromptKey(" in repr(a)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 5),  # which of a few prompts sharing prefixes (siblings repeat)
+            st.integers(0, 30),  # its length in tokens
+            st.integers(0, 2),  # the replica
+        ),
+        max_size=120,
+    )
+)
+def test_refreshing_a_served_prompt_matches_the_full_path(
+    ops: list[tuple[int, int, int]],
+) -> None:
+    """The sibling fast path leaves exactly the entries, in exactly the LRU order, that
+    the full path would (small capacity: evictions and takeovers happen)."""
+
+    class FullPath(PrefixIndex):
+        def _refresh(self, key: PromptKey, replica: int, probe: int) -> bool:
+            return False
+
+    fast, full = make(cap=12, nodes=20, succ=3), FullPath(12, 20, 3, 10)
+    refreshed = 0
+    for which, length, replica in ops:
+        ids = [which] * 8 + list(range(length))  # 1 shared block, then their own tails
+        key = k(ids)
+        known = fast._served.get(key.hashes[-1])
+        refreshed += known is not None and known[0] == replica
+        fast.observe(key, replica)
+        full.observe(key, replica)
+        assert list(fast._served.items()) == list(full._served.items())
+        assert fast._nodes == full._nodes and fast._templates == full._templates
+
+
+def test_a_sibling_on_the_same_replica_takes_the_refresh_path() -> None:
+    class Counting(PrefixIndex):
+        hits = 0
+
+        def _refresh(self, key: PromptKey, replica: int, probe: int) -> bool:
+            hit = super()._refresh(key, replica, probe)
+            Counting.hits += hit
+            return hit
+
+    idx = Counting(100, 1000, 4, 10)
+    key = k(list(range(22)))  # anchored: 2 whole blocks + a tail
+    idx.observe(key, 1)
+    idx.observe(key, 1)
+    assert Counting.hits == 1 and idx.lookup(key, 0) == 1
+    idx.observe(key, 2)  # moved (a spill): the full path re-files it
+    assert Counting.hits == 1 and idx.lookup(key, 0) == 2
+    idx.observe(key, 2)
+    assert Counting.hits == 2
