@@ -172,7 +172,8 @@ class ReplicaPool:
         return {i: replicas[i].in_flight for i in indices}
 
     def healthy_indices(self) -> list[int]:
-        return [r.index for r in self.replicas if r.up]
+        up = Health.UP
+        return [r.index for r in self.replicas if r.health is up]
 
     def all_up(self) -> bool:
         return all(r.up for r in self.replicas)

@@ -227,30 +227,32 @@ def _too_deep(body: bytes, payload: dict[str, Any], limit: int) -> bool:
     return False
 
 
+_CEILINGS = ("n", "max_tokens", "max_completion_tokens")  # n: max_n; else max_tokens_limit
+
+
 def _check_generation(path: str, payload: Mapping[str, Any], settings: Settings) -> None:
     """Reject, with the offending ``param``, what no replica could serve or the operator's
     ceilings forbid. The rest is vLLM's to validate: the body is forwarded untouched."""
-    model = payload.get("model")
+    get = payload.get
+    model = get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string.", param="model")
-    if not isinstance(payload.get("stream", False), bool | None):
+    stream = get("stream")
+    if stream is not None and stream is not True and stream is not False:
         raise BadRequest("'stream' must be a boolean.", param="stream")
-    for name, ceiling in (
-        ("n", settings.max_n),
-        ("max_tokens", settings.max_tokens_limit),
-        ("max_completion_tokens", settings.max_tokens_limit),
-    ):
-        value = payload.get(name)
+    for name in _CEILINGS:
+        value = get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if type(value) is not int or value < 1:  # JSON ints only: bool is a subclass
             raise BadRequest(f"'{name}' must be a positive integer.", param=name)
+        ceiling = settings.max_n if name == "n" else settings.max_tokens_limit
         if ceiling is not None and value > ceiling:
             raise BadRequest(f"'{name}' must be at most {ceiling} here.", param=name, limit=name)
     if path.endswith("/chat/completions"):
-        if not isinstance(payload.get("messages"), list):
+        if not isinstance(get("messages"), list):
             raise BadRequest("'messages' must be a list.", param="messages")
-    elif not isinstance(payload.get("prompt"), str | list):
+    elif not isinstance(get("prompt"), (str, list)):
         raise BadRequest("'prompt' must be a string, token ids, or a list of them.", param="prompt")
 
 
