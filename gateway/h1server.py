@@ -34,7 +34,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.server import ServerState
 
-from gateway.relay import LOST, RESPOND, TASK
+from gateway.relay import BODY, LOST, RESPOND, TASK
 
 __all__ = ["lean_protocol"]
 
@@ -255,6 +255,7 @@ class LeanProtocol(asyncio.Protocol):
         }
         exchange = _Exchange(self, body, self.keep_alive and not self.closing)
         scope[RESPOND] = exchange.respond
+        scope[BODY] = exchange.take_body
         self.exchange = exchange
         task = scope[TASK] = self.loop.create_task(exchange.run(self.fast, scope))
         tasks = self.server_state.tasks
@@ -407,6 +408,12 @@ class _Exchange:
         for waiter in self.waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def take_body(self) -> bytes | None:
+        """``relay.BODY``: the body without an ``http.request`` message; None once the
+        client is gone (as ``receive`` would then say ``http.disconnect``)."""
+        body, self.body = self.body, None
+        return None if self.gone else body or b""
 
     async def receive(self) -> Message:
         body, self.body = self.body, None

@@ -36,6 +36,9 @@ RESPOND = "gateway.respond"
 """Scope key: ``respond(status, headers, body) -> bool`` writes a whole response at once,
 bypassing the ASGI messages; the headers must be lower-case, valid and not hop-by-hop (the
 gateway's own, or upstream ones its parser accepted). False: send it the ASGI way."""
+BODY = "gateway.body"
+"""Scope key: ``take_body() -> bytes | None``, the whole request body the server already
+read (None: the client is gone); ``receive`` then only waits for the disconnect."""
 TASK = "gateway.task"
 """Scope key: the task serving the request (``asyncio.current_task`` costs a ``getpid``)."""
 

@@ -58,6 +58,7 @@ from gateway.errors import (
 from gateway.logs import REQUEST_ID
 from gateway.metrics import CONTENT_TYPE, RouteKind
 from gateway.relay import (
+    BODY,
     TASK,
     BodyResponse,
     ClientDisconnected,
@@ -177,6 +178,14 @@ def require_admin(request: Request) -> None:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, refused early (413) when it is or becomes larger than ``limit``."""
+    take_body = request.scope.get(BODY)
+    if take_body is not None:  # already read by the server (``gateway.h1server``)
+        body: bytes | None = take_body()
+        if body is None:
+            raise ClientDisconnected
+        if len(body) > limit:
+            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.", limit="body")
+        return body
     declared = header(request, b"content-length")
     if declared is not None:
         if not declared.isdigit():

@@ -102,6 +102,8 @@ async def test_rollouts_keep_alive_then_admin_calls_on_the_same_connection(
             assert json.loads(body)["object"] == "text_completion"
             assert headers[b"content-length"] == str(len(body)).encode()
             assert b"x-gateway-replica" in headers and b"x-request-id" in headers
+            assert b"date" in headers and headers[b"server"] == b"uvicorn"  # as uvicorn's
+            assert b"connection" not in headers and b"transfer-encoding" not in headers
         assert not handoffs  # served lean
         writer.write(b"GET /v1/models HTTP/1.1\r\nhost: gw\r\n\r\n")
         writer.write(post())
