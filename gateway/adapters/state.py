@@ -433,6 +433,11 @@ class AdapterRegistry:
             if c.state in SERVING and self._replicas[r].state is ReplicaState.UP
         )
 
+    def head(self, family: str) -> int | None:
+        """The version the staleness window is anchored on: the family's latest completed
+        publish (not the highest number: a restarted run may count from v1 again)."""
+        return self._heads.get(family)
+
     def is_live(self, name: str) -> bool:
         rec = self._adapters.get(name)
         return rec is not None and rec.state in ROUTABLE
@@ -569,7 +574,10 @@ class AdapterRegistry:
             if found is None:  # a stray: nobody asked for it (old run, manual load)
                 found = _Adapter(self.policy.name_pattern.parse(entry.name), entry.path)
                 found.state = _advance(ADAPTER_TRANSITIONS, found.state, AdapterEvent.DISCOVER)
-                found.retired_at = now - self.policy.unload_grace_s
+                # Unload at once -- unless requests routed to it before we forgot it (its
+                # replica flapped while it was retiring) are still running: they drain.
+                draining = self._inflight[(entry.name, replica)] > 0
+                found.retired_at = now - (0.0 if draining else self.policy.unload_grace_s)
                 self._adapters[entry.name] = found
             rec = found
             rec.copies[replica] = _Copy(

@@ -255,6 +255,28 @@ def test_unload_waits_for_in_flight_then_grace() -> None:
     assert core.known_name("p-v1")  # a second unload still answers 200
 
 
+def test_requests_still_running_on_a_flapping_replica_drain_before_the_unload() -> None:
+    """Found by the state machine: a retiring copy with a request in flight, on a replica
+    that is marked down (so forgotten) and comes back, is re-adopted as a stray. A stray
+    is unloaded at once -- but not while requests routed to it before still run."""
+    core, fakes = make(2)
+    publish(core, fakes, 1)
+    assert core.request_started("p-v1", 0)
+    drive(core, fakes, core.request_unload("p-v1", 10.0), 10.0)  # replica 1 unloads now
+    drive(core, fakes, core.replica_lost(0, 11.0), 11.0)  # a probe blip, vLLM still runs
+    assert core.adapter_state("p-v1") is AdapterState.GONE  # no copy left that we know
+    assert core.observe(0, fakes[0].listing(), 12.0) == []  # back: the stray drains
+    assert core.tick(16.99) == []
+    assert [(a.replica, a.name) for a in core.tick(17.0)] == [(0, "p-v1")]  # grace: 12 + 5
+
+
+def test_an_idle_stray_is_unloaded_at_once() -> None:
+    core, fakes = make(1)
+    fakes[0].held["p-v7"] = "/old/run/p-v7"  # left by an earlier run, nobody asked for it
+    core.replica_lost(0, 1.0)
+    assert [(a.replica, a.name) for a in core.observe(0, fakes[0].listing(), 1.0)] == [(0, "p-v7")]
+
+
 def test_grace_timeout_forces_unload() -> None:
     core, fakes = make(1)
     publish(core, fakes, 1)
