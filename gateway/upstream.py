@@ -151,44 +151,39 @@ def request_headers(raw: Iterable[tuple[bytes, bytes]], request_id: str) -> list
     return out
 
 
-def request_head_lines(raw: Iterable[tuple[bytes, bytes]], request_id: str) -> bytes:
+def request_head_lines(raw: Sequence[tuple[bytes, bytes]], request_id: str) -> bytes:
     """``request_headers`` as ready-to-send HTTP/1.1 header lines (for ``send_routed``).
 
     Names and values come from the server's parser (lower-case names, no CR/LF possible)
-    or are ours. One pass: a ``Connection`` header (its tokens are hop-by-hop too) is rare
-    enough to filter again afterwards."""
+    or are ours. One pass; a ``Connection`` header (the names it lists are hop-by-hop too)
+    is rare, so it starts the filtering over with them."""
     lines = []
-    named: list[bytes] = []
-    tokens: set[bytes] | None = None
     for k, v in raw:
-        if k in _REQUEST_DROP:
-            if k == b"connection":
-                tokens = (tokens or set()) | {t.strip().lower() for t in v.split(b",")}
-            continue
-        named.append(k)
-        lines.append(k + b": " + v + b"\r\n")
-    if tokens:
-        lines = [line for k, line in zip(named, lines, strict=True) if k not in tokens]
+        if k not in _REQUEST_DROP:
+            lines.append(k + b": " + v + b"\r\n")
+        elif k == b"connection":
+            drop = _REQUEST_DROP | _connection_tokens(raw)
+            lines = [k + b": " + v + b"\r\n" for k, v in raw if k not in drop]
+            break
     lines.append(b"x-request-id: " + request_id.encode("latin-1") + b"\r\n")
     return b"".join(lines)
 
 
 def response_headers(
-    upstream: Iterable[tuple[bytes, bytes]], replica: int, request_id: str
+    upstream: Sequence[tuple[bytes, bytes]], replica: int, request_id: str
 ) -> list[tuple[bytes, bytes]]:
-    """Upstream raw response headers as ASGI pairs, hop-by-hop removed, ours added (one
-    pass; a ``Connection`` header's tokens are filtered afterwards, as it is rare)."""
+    """Upstream raw response headers as ASGI pairs, hop-by-hop removed, ours added. One
+    pass, as ``request_head_lines``."""
     out = []
-    tokens: set[bytes] | None = None
     for k, v in upstream:
         k = k.lower()
-        if k in _RESPONSE_DROP:
-            if k == b"connection":
-                tokens = (tokens or set()) | {t.strip().lower() for t in v.split(b",")}
-            continue
-        out.append((k, v))
-    if tokens:
-        out = [(k, v) for k, v in out if k not in tokens]
+        if k not in _RESPONSE_DROP:
+            out.append((k, v))
+        elif k == b"connection":
+            pairs = [(k.lower(), v) for k, v in upstream]
+            drop = _RESPONSE_DROP | _connection_tokens(pairs)
+            out = [(k, v) for k, v in pairs if k not in drop]
+            break
     out.append((b"x-gateway-replica", str(replica).encode()))
     out.append((b"x-request-id", request_id.encode("latin-1")))
     return out
