@@ -170,8 +170,7 @@ class LeanProtocol(asyncio.Protocol):
             return
         buf = self.buf
         if not self.head_size:
-            route = next((p for p in _ROUTED if buf.startswith(p)), None)
-            if route is None:
+            if not buf.startswith(_ROUTED):
                 if len(buf) < _LONGEST and any(p.startswith(buf) for p in _ROUTED):
                     return  # the request line is still arriving
                 self._hand_off()
@@ -185,7 +184,7 @@ class LeanProtocol(asyncio.Protocol):
             if length is None:
                 return  # refused or handed off
             self.head_size, self.length = end + 4, length
-            self.raw_path = route[5 : route.index(b" ", 5)]
+            self.raw_path = bytes(buf[5 : buf.index(b" ", 5)])  # after "POST "
         size = self.head_size + self.length
         if len(buf) < size:
             return  # the body is still arriving

@@ -183,15 +183,13 @@ async def read_body(request: Request, limit: int) -> bytes:
         body: bytes | None = take_body()
         if body is None:
             raise ClientDisconnected
-        if len(body) > limit:
-            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.", limit="body")
+        _check_body_size(len(body), limit)
         return body
     declared = header(request, b"content-length")
     if declared is not None:
         if not declared.isdigit():
             raise BadRequest("Invalid Content-Length header.")
-        if int(declared) > limit:
-            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.", limit="body")
+        _check_body_size(int(declared), limit)
     chunks: list[bytes] = []
     size = 0
     more = True
@@ -201,11 +199,15 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise ClientDisconnected
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.", limit="body")
+        _check_body_size(size, limit)
         chunks.append(chunk)
         more = message.get("more_body", False)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _check_body_size(size: int, limit: int) -> None:
+    if size > limit:
+        raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.", limit="body")
 
 
 def parse_json_object(body: bytes, max_depth: int | None = None) -> dict[str, Any]:
