@@ -9,11 +9,12 @@ How: every connection starts here. While it sends well-formed ``POST /v1/complet
 ``POST /v1/chat/completions`` requests (HTTP/1.1, ``Content-Length`` framed, no ``Expect``,
 ``Upgrade`` or ``Transfer-Encoding``, no query string), each request is sliced from the
 buffer, validated by ``httptools`` (the same strict parser uvicorn uses), and handed to the
-gateway's ASGI fast path with a minimal ``receive``/``send`` pair; the response goes out in
-one ``write`` when its length is known, chunked otherwise. The first request that is
-anything else hands the connection, with every byte not yet consumed, to uvicorn's own
-protocol for the rest of its life, so admin calls, probes, odd framings and errors keep
-uvicorn's behaviour exactly. One request at a time per connection: pipelined bytes wait
+gateway's handler as a ``LeanExchange``, with no ASGI scope: the handler answers with one
+``respond`` (one ``write``) when the response is complete, or through the exchange's
+minimal ASGI ``receive``/``send`` pair (chunked when the length is unknown). The first
+request that is anything else hands the connection, with every byte not yet consumed, to
+uvicorn's own protocol for the rest of its life, so admin calls, probes, odd framings and
+errors keep uvicorn's behaviour exactly. One request at a time per connection: pipelined bytes wait
 in the buffer (reading pauses above a bound) until the response before them is complete.
 """
 
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httptools
-from starlette.types import ASGIApp, Message
+from starlette.types import Message
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
@@ -34,9 +36,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.server import ServerState
 
-from gateway.relay import BODY, LOST, RESPOND, TASK
-
-__all__ = ["lean_protocol"]
+__all__ = ["Handler", "LeanExchange", "lean_protocol"]
 
 log = logging.getLogger("gateway.server")
 
@@ -48,19 +48,24 @@ _MAX_HEAD = 64 << 10  # no end of headers by then: uvicorn (and the app's 431) d
 _PIPELINE_PAUSE = 256 << 10  # buffered bytes behind a request in flight: stop reading
 
 
-def lean_protocol(app: ASGIApp) -> type[asyncio.Protocol]:
-    """The protocol class for ``uvicorn.Config(http=...)``; ROUTED requests go to ``app``
-    (the gateway's fast path), every other connection is uvicorn's."""
+Handler = Callable[["LeanExchange"], Awaitable[None]]
+"""Serves one rollout; must answer (``respond`` or ``send``); raising, or returning without
+an answer, gets a 500 and closes the connection, as uvicorn does for an ASGI app."""
+
+
+def lean_protocol(handler: Handler) -> type[asyncio.Protocol]:
+    """The protocol class for ``uvicorn.Config(http=...)``; ROUTED requests go to
+    ``handler`` (the gateway's ``FastPath.lean``), every other connection is uvicorn's."""
 
     class Bound(LeanProtocol):
         pass
 
-    Bound.fast = app
+    Bound.handler = staticmethod(handler)
     return Bound
 
 
 class LeanProtocol(asyncio.Protocol):
-    fast: ASGIApp
+    handler: Handler
 
     def __init__(
         self,
@@ -76,12 +81,12 @@ class LeanProtocol(asyncio.Protocol):
         self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
-        self.exchange: _Exchange | None = None  # the request in flight
+        self.exchange: LeanExchange | None = None  # the request in flight
         self.reading_paused = False
         self.write_paused = False
         self.drained: asyncio.Future[None] | None = None
         self.lost = False
-        self.lost_signal: asyncio.Future[None] = self.loop.create_future()  # relay.LOST
+        self.lost_signal: asyncio.Future[None] = self.loop.create_future()  # exchange.lost
         self.closing = False
         self.server: tuple[str, int] | None = None
         self.client: tuple[str, int] | None = None
@@ -235,33 +240,14 @@ class LeanProtocol(asyncio.Protocol):
         if not self.complete or self.messages != 1:  # framings disagree: refuse, never guess
             self._refuse_400()
             return
-        raw_path = self.raw_path
-        scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "server": self.server,
-            "client": self.client,
-            "scheme": "http",
-            "root_path": "",
-            "headers": self.headers,
-            "state": self.app_state.copy(),
-            "method": "POST",
-            "path": raw_path.decode("ascii"),
-            "raw_path": raw_path,
-            "query_string": b"",
-            LOST: self.lost_signal,
-        }
-        exchange = _Exchange(self, body, self.keep_alive and not self.closing)
-        scope[RESPOND] = exchange.respond
-        scope[BODY] = exchange.take_body
+        exchange = LeanExchange(self, body, self.keep_alive and not self.closing)
         self.exchange = exchange
-        task = scope[TASK] = self.loop.create_task(exchange.run(self.fast, scope))
+        task = exchange.task = self.loop.create_task(exchange.run(self.handler))
         tasks = self.server_state.tasks
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    def finished(self, exchange: _Exchange, *, reuse: bool) -> None:
+    def finished(self, exchange: LeanExchange, *, reuse: bool) -> None:
         """The response is out (or abandoned): next request, or close."""
         if exchange is not self.exchange:
             return
@@ -352,39 +338,48 @@ class LeanProtocol(asyncio.Protocol):
             await self.drained
 
 
-class _Exchange:
-    """One request/response on a lean connection: the ASGI ``receive``/``send`` pair."""
+class LeanExchange:
+    """One request/response on a lean connection: what the handler reads of the request,
+    ``respond`` for a whole response, and an ASGI ``receive``/``send`` pair for the rest."""
 
     __slots__ = (
-        "body", "chunked", "conn", "done", "gone", "keep_alive", "pending", "remaining",
-        "started", "waiters",
+        "body", "chunked", "client", "conn", "done", "gone", "headers", "keep_alive", "lost",
+        "path", "pending", "raw_path", "remaining", "started", "task", "waiters",
     )  # fmt: skip
+
+    task: asyncio.Task[None]
+    """The task serving the request (set as it is created)."""
 
     def __init__(self, conn: LeanProtocol, body: bytes, keep_alive: bool) -> None:
         self.conn = conn
-        self.body: bytes | None = body
+        self.path = conn.raw_path.decode("ascii")
+        self.raw_path = conn.raw_path
+        self.headers = conn.headers  # lower-case names, as httptools parsed them
+        self.client = conn.client
+        self.lost = conn.lost_signal  # resolved when the client's connection is lost
+        self.body = body
         self.keep_alive = keep_alive
         self.pending: Message | None = None  # http.response.start, written with the body
         self.started = False
         self.done = False
-        self.gone = False
+        self.gone = False  # the client left
         self.chunked = False
         self.remaining = 0
         self.waiters: list[asyncio.Future[None]] = []
 
-    async def run(self, app: ASGIApp, scope: dict[str, Any]) -> None:
+    async def run(self, handler: Handler) -> None:
         try:
-            await app(scope, self.receive, self.send)
+            await handler(self)
         except asyncio.CancelledError:  # server shutdown: drop the connection
             self._finish(reuse=False)
             raise
         except Exception as exc:
-            log.error("Exception in ASGI application", exc_info=exc)
+            log.error("Exception in the rollout handler", exc_info=exc)
             await self._fail()
         else:
-            if not self.done:  # the client left (nothing to say), or the app misbehaved
+            if not self.done:  # the client left (nothing to say), or the handler misbehaved
                 if not self.gone:
-                    log.error("ASGI application returned without completing its response")
+                    log.error("The rollout handler returned without completing its response")
                 await self._fail()
 
     async def _fail(self) -> None:
@@ -408,16 +403,8 @@ class _Exchange:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def take_body(self) -> bytes | None:
-        """``relay.BODY``: the body without an ``http.request`` message; None once the
-        client is gone (as ``receive`` would then say ``http.disconnect``)."""
-        body, self.body = self.body, None
-        return None if self.gone else body or b""
-
     async def receive(self) -> Message:
-        body, self.body = self.body, None
-        if body is not None and not self.gone:
-            return {"type": "http.request", "body": body, "more_body": False}
+        """The body was handed over already: ``receive`` only waits for the disconnect."""
         if not self.gone and not self.done:
             # One future per waiter: a disconnect watcher that is cancelled (its exchange
             # finished) must not take the next watcher's wake-up with it.
@@ -471,8 +458,10 @@ class _Exchange:
             self._finish(reuse=self.keep_alive)
 
     def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
-        """``relay.RESPOND``: the whole response in one write, its headers trusted (see
-        there), so neither ASGI messages nor ``_head``'s checks are needed."""
+        """The whole response in one write; False: send it the ASGI way (a response has
+        started, or writing is paused). The headers are trusted: lower-case, valid and not
+        hop-by-hop (the gateway's own, or upstream ones its parser accepted), so neither
+        ASGI messages nor ``_head``'s checks are needed."""
         conn = self.conn
         if self.started or self.pending is not None or conn.write_paused:
             return False

@@ -7,15 +7,16 @@ even when the client is gone before the first byte, where a plain Starlette
 A client disconnect cancels the relay and *closes* the upstream connection (instead of
 returning it to the pool), which makes vLLM abort the generation.
 
-``cancel_on_disconnect`` does the same for buffered (non-streaming) exchanges: it watches
-the ASGI ``receive`` channel and cancels the waiting handler when the client leaves.
+``DisconnectGuard`` does the same for the wait on the upstream: while armed (a ``with``
+block) it cancels the serving task when the client leaves.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from starlette.responses import Response
@@ -26,25 +27,87 @@ from gateway.errors import UpstreamError
 if TYPE_CHECKING:
     from gateway.upstream import UpstreamResponse
 
-__all__ = ["BodyResponse", "ClientDisconnected", "RelayResponse", "cancel_on_disconnect"]
+__all__ = ["BodyResponse", "ClientDisconnected", "DisconnectGuard", "RelayResponse"]
 
-T = TypeVar("T")
 _ARM_AFTER_S = 0.05
-LOST = "gateway.lost"
-"""Scope key: a future the server resolves when the client's connection is lost."""
-RESPOND = "gateway.respond"
-"""Scope key: ``respond(status, headers, body) -> bool`` writes a whole response at once,
-bypassing the ASGI messages; the headers must be lower-case, valid and not hop-by-hop (the
-gateway's own, or upstream ones its parser accepted). False: send it the ASGI way."""
-BODY = "gateway.body"
-"""Scope key: ``take_body() -> bytes | None``, the whole request body the server already
-read (None: the client is gone); ``receive`` then only waits for the disconnect."""
-TASK = "gateway.task"
-"""Scope key: the task serving the request (``asyncio.current_task`` costs a ``getpid``)."""
 
 
 class ClientDisconnected(Exception):
     """The client went away while the gateway was waiting on the upstream."""
+
+
+class DisconnectGuard:
+    """``with guard: await work``: if the client disconnects meanwhile, the serving task
+    is cancelled and the block raises ``ClientDisconnected`` instead.
+
+    A plain context manager, not a wrapping coroutine: no frame in the await chain of
+    every rollout. On a connection served by ``gateway.h1server`` the server resolves
+    ``lost`` when the connection goes: watching costs one callback. Otherwise a watcher
+    task reads ASGI ``receive``; it is armed lazily, after ``_ARM_AFTER_S``: most rollouts
+    finish sooner and then cost one timer instead of one task (a disconnect is still
+    noticed within that delay, which is what cancelling a generation needs). Reusable:
+    one block after another (a retry is a new block)."""
+
+    __slots__ = ("_armed", "_fired", "_lost", "_receive", "_task", "_timer", "_watcher")
+
+    def __init__(
+        self,
+        task: asyncio.Task[Any],
+        *,
+        lost: asyncio.Future[None] | None = None,
+        receive: Receive | None = None,
+    ) -> None:
+        assert lost is not None or receive is not None
+        self._task = task
+        self._lost = lost
+        self._receive = receive
+        self._armed = self._fired = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._watcher: asyncio.Future[None] | None = None
+
+    def __enter__(self) -> None:
+        self._armed, self._fired = True, False
+        if self._lost is not None:
+            self._lost.add_done_callback(self._on_gone)
+        else:
+            self._timer = asyncio.get_running_loop().call_later(_ARM_AFTER_S, self._watch)
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._armed = False
+        if self._lost is not None:
+            self._lost.remove_done_callback(self._on_gone)
+        else:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            watcher, self._watcher = self._watcher, None
+            if watcher is not None:
+                watcher.remove_done_callback(self._on_gone)
+                watcher.cancel()
+        if kind is asyncio.CancelledError and self._fired:
+            self._task.uncancel()
+            raise ClientDisconnected from None
+
+    def _watch(self) -> None:
+        assert self._receive is not None
+        self._timer = None
+        self._watcher = asyncio.ensure_future(_wait_disconnect(self._receive))
+        self._watcher.add_done_callback(self._on_gone)
+
+    def _on_gone(self, signal: asyncio.Future[None]) -> None:
+        # A callback already scheduled when the block ended does nothing.
+        if self._armed and not signal.cancelled() and signal.exception() is None:
+            self._fired = True
+            self._task.cancel()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 class BodyResponse(Response):
@@ -56,11 +119,6 @@ class BodyResponse(Response):
         self.body = body
         self.background = None
         self.raw_headers = [*headers, (b"content-length", str(len(body)).encode())]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        respond = scope.get(RESPOND)
-        if respond is None or not respond(self.status_code, self.raw_headers, self.body):
-            await super().__call__(scope, receive, send)
 
 
 class RelayResponse(Response):
@@ -74,6 +132,7 @@ class RelayResponse(Response):
         self,
         upstream: UpstreamResponse,
         headers: list[tuple[bytes, bytes]],
+        guard: DisconnectGuard,
         on_close: Callable[[bool], None],
         ejected: Callable[[], bool] = lambda: False,
     ) -> None:
@@ -81,6 +140,7 @@ class RelayResponse(Response):
         self.background = None
         self.raw_headers = headers
         self._upstream = upstream
+        self._guard = guard
         self._on_close = on_close
         self._ejected = ejected
 
@@ -109,7 +169,8 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         completed = False
         try:
-            completed = await cancel_on_disconnect(scope, receive, self._pump(send))
+            with self._guard:
+                completed = await self._pump(send)
         except (ClientDisconnected, OSError):
             pass  # the client left; nobody to answer
         finally:
@@ -118,82 +179,3 @@ class RelayResponse(Response):
             else:
                 self._upstream.close()  # abort: vLLM cancels the generation
             self._on_close(completed)
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def cancel_on_disconnect(
-    scope: Scope, receive: Receive, work: Awaitable[T], task: asyncio.Task[Any] | None = None
-) -> Coroutine[Any, Any, T]:
-    """Await ``work``; if the client disconnects first, cancel it and raise
-    ``ClientDisconnected``.
-
-    On a connection served by ``gateway.h1server`` the scope carries ``LOST``, a future
-    resolved when the connection is lost: watching costs one callback. Otherwise a
-    watcher task reads ``receive``; it is armed lazily, after ``_ARM_AFTER_S``: most
-    rollouts finish sooner and then cost one timer instead of one task (a disconnect is
-    still noticed within that delay, which is what cancelling a generation needs).
-    ``task``: the current task, if the caller has it at hand. (A plain function returning
-    the watching coroutine: one coroutine frame less per request.)"""
-    task = task or scope.get(TASK) or asyncio.current_task()
-    assert task is not None
-    lost: asyncio.Future[None] | None = scope.get(LOST)
-    if lost is not None:
-        return _cancel_on_lost(lost, task, work)
-    return _cancel_on_receive(receive, task, work)
-
-
-async def _cancel_on_receive(receive: Receive, task: asyncio.Task[Any], work: Awaitable[T]) -> T:
-    watcher: asyncio.Future[None] | None = None
-
-    def on_disconnect(w: asyncio.Future[None]) -> None:
-        if not w.cancelled() and w.exception() is None:
-            task.cancel()
-
-    def arm() -> None:
-        nonlocal watcher
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        watcher.add_done_callback(on_disconnect)
-
-    timer = asyncio.get_running_loop().call_later(_ARM_AFTER_S, arm)
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if watcher is not None and watcher.done() and not watcher.cancelled():
-            task.uncancel()
-            raise ClientDisconnected from None
-        raise
-    finally:
-        timer.cancel()
-        if watcher is not None:
-            watcher.remove_done_callback(on_disconnect)
-            watcher.cancel()
-
-
-async def _cancel_on_lost(
-    lost: asyncio.Future[None], task: asyncio.Task[Any], work: Awaitable[T]
-) -> T:
-    fired = settled = False
-
-    def on_lost(_: asyncio.Future[None]) -> None:
-        nonlocal fired
-        if not settled:  # a callback already scheduled when ``work`` ended does nothing
-            fired = True
-            task.cancel()
-
-    lost.add_done_callback(on_lost)
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if fired:
-            task.uncancel()
-            raise ClientDisconnected from None
-        raise
-    finally:
-        settled = True
-        lost.remove_done_callback(on_lost)

@@ -52,19 +52,13 @@ from gateway.errors import (
     TooManyRequests,
     Unauthorized,
     UpstreamError,
-    UpstreamTimeout,
     UpstreamUnavailable,
 )
+from gateway.h1server import LeanExchange
+from gateway.inbound import Inbound
 from gateway.logs import REQUEST_ID
 from gateway.metrics import CONTENT_TYPE, RouteKind
-from gateway.relay import (
-    BODY,
-    TASK,
-    BodyResponse,
-    ClientDisconnected,
-    RelayResponse,
-    cancel_on_disconnect,
-)
+from gateway.relay import BodyResponse, ClientDisconnected, DisconnectGuard, RelayResponse
 from gateway.routing.policy import CandidateLoads, RouteRequest
 from gateway.upstream import (
     BufferedResponse,
@@ -121,8 +115,9 @@ def error_response(exc: GatewayError) -> Response:
 
 
 def header(request: Request, name: bytes) -> bytes | None:
-    """One request header by lower-case name. The raw list is turned into a dict once per
-    request: Starlette's ``Headers.get`` scans the whole list on every call."""
+    """One request header by lower-case name (Starlette handlers; ``Inbound.header`` for
+    the dispatch path). The raw list is turned into a dict once per request: Starlette's
+    ``Headers.get`` scans the whole list on every call."""
     scope = request.scope
     table: dict[bytes, bytes] | None = scope.get("gateway.headers")
     if table is None:
@@ -130,10 +125,9 @@ def header(request: Request, name: bytes) -> bytes | None:
     return table.get(name)
 
 
-def _presented_key(request: Request) -> bytes | None:
-    """The key in ``Authorization``: ``Bearer KEY``, or the password of ``Basic`` auth,
-    which is all TRL can send (``http://user:KEY@gateway`` in its server URL)."""
-    value = header(request, b"authorization")
+def _presented_key(value: bytes | None) -> bytes | None:
+    """The key in an ``Authorization`` value: ``Bearer KEY``, or the password of ``Basic``
+    auth, which is all TRL can send (``http://user:KEY@gateway`` in its server URL)."""
     if not value:
         return None
     scheme, _, rest = value.partition(b" ")
@@ -149,8 +143,11 @@ def _presented_key(request: Request) -> bytes | None:
     return None
 
 
-def _check_key(request: Request, keys: Sequence[bytes], what: str) -> None:
-    presented = _presented_key(request)
+def check_key(authorization: bytes | None, keys: Sequence[bytes], what: str) -> None:
+    """401 unless ``authorization`` presents one of ``keys`` (none configured: open)."""
+    if not keys:
+        return
+    presented = _presented_key(authorization)
     # Compare against every key, always: constant time in the key material.
     ok = False
     for key in keys:
@@ -159,16 +156,14 @@ def _check_key(request: Request, keys: Sequence[bytes], what: str) -> None:
         raise Unauthorized(f"Invalid or missing {what}.", headers={"WWW-Authenticate": "Bearer"})
 
 
-def require_client(request: Request, gw: Gateway | None = None) -> None:
-    gw = gw or _gateway(request)
-    if gw.client_keys:
-        _check_key(request, gw.client_keys, "API key")
+def require_client(request: Request) -> None:
+    check_key(header(request, b"authorization"), _gateway(request).client_keys, "API key")
 
 
 def require_admin(request: Request) -> None:
     gw = _gateway(request)
     if gw.admin_keys:
-        _check_key(request, gw.admin_keys, "admin key")
+        check_key(header(request, b"authorization"), gw.admin_keys, "admin key")
     else:
         require_client(request)
 
@@ -176,16 +171,9 @@ def require_admin(request: Request) -> None:
 # --- request parsing ----------------------------------------------------------------------
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused early (413) when it is or becomes larger than ``limit``."""
-    take_body = request.scope.get(BODY)
-    if take_body is not None:  # already read by the server (``gateway.h1server``)
-        body: bytes | None = take_body()
-        if body is None:
-            raise ClientDisconnected
-        _check_body_size(len(body), limit)
-        return body
-    declared = header(request, b"content-length")
+async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
+    """The whole body from ASGI ``receive``, refused early (413) when its declared
+    ``Content-Length`` is, or what arrives becomes, larger than ``limit``."""
     if declared is not None:
         if not declared.isdigit():
             raise BadRequest("Invalid Content-Length header.")
@@ -194,7 +182,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     size = 0
     more = True
     while more:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnected
         chunk = message.get("body", b"")
@@ -203,6 +191,20 @@ async def read_body(request: Request, limit: int) -> bytes:
         chunks.append(chunk)
         more = message.get("more_body", False)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def request_body(request: Request, limit: int) -> bytes:
+    return await read_body(request.receive, header(request, b"content-length"), limit)
+
+
+async def inbound_body(inbound: Inbound, limit: int) -> bytes:
+    """The body the server already read (``gateway.h1server``), else read it now."""
+    body = inbound.body
+    if body is None:
+        assert inbound.receive is not None
+        return await read_body(inbound.receive, inbound.header(b"content-length"), limit)
+    _check_body_size(len(body), limit)
+    return body
 
 
 def _check_body_size(size: int, limit: int) -> None:
@@ -267,20 +269,20 @@ def _check_generation(path: str, payload: Mapping[str, Any], settings: Settings)
         raise BadRequest("'prompt' must be a string, token ids, or a list of them.", param="prompt")
 
 
-def request_id_for(request: Request) -> str:
-    """The client's ``X-Request-Id`` if it is sane, else a new one; also tags the logs.
+def request_id_for(given: bytes | None) -> str:
+    """The client's ``X-Request-Id`` (``given``) if it is sane, else a new one; also tags
+    the logs.
 
     New ids are a random per-process prefix plus a counter: unique across gateways and
     restarts without a ``getrandom`` syscall per request."""
-    given = header(request, b"x-request-id")
     request_id = given.decode("ascii") if given and _REQUEST_ID.match(given) else None
     request_id = request_id or f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
     REQUEST_ID.set(request_id)
     return request_id
 
 
-def _session_key(request: Request, payload: Mapping[str, Any]) -> str | None:
-    given = header(request, b"x-session-id")
+def _session_key(inbound: Inbound, payload: Mapping[str, Any]) -> str | None:
+    given = inbound.header(b"x-session-id")
     key = given.decode("latin-1") if given else payload.get("user")
     return key if isinstance(key, str) and key else None
 
@@ -301,30 +303,23 @@ class Pick:
 
 
 async def dispatch(
-    request: Request, gw: Gateway, kind: RouteKind, body: bytes, candidates: Sequence[int],
+    inbound: Inbound, gw: Gateway, kind: RouteKind, body: bytes, candidates: Sequence[int],
     pick: Pick,
 ) -> Response:  # fmt: skip
     """Send to one replica chosen among ``candidates``; if it fails before any response
     byte (refused, reset, or aborted because it was ejected), try another while the retry
     budget allows. Streams are relayed as they arrive; nothing is retried after that."""
     started = time.perf_counter()
-    request_id = request_id_for(request)
-    scope = request.scope
+    request_id = request_id_for(inbound.header(b"x-request-id"))
     lean = kind is RouteKind.ROUTED  # POST, JSON in and out: the h1client path
     target = head_lines = b""
-    path = query = ""
     headers: list[tuple[str, str]] = []
     if lean:
-        head_lines = request_head_lines(scope["headers"], request_id)
-        target = scope.get("raw_path") or scope["path"].encode("latin-1")
-        if scope.get("query_string"):
-            target += b"?" + scope["query_string"]
+        head_lines = request_head_lines(inbound.headers, request_id)
+        target = inbound.target
     else:
-        headers = request_headers(scope["headers"], request_id)
-        path = scope.get("raw_path", b"").decode("latin-1") or scope["path"]
-        query = scope.get("query_string", b"").decode("latin-1")
-    task = scope.get(TASK) or asyncio.current_task()
-    assert task is not None
+        headers = request_headers(inbound.headers, request_id)
+    task, guard = inbound.task, inbound.guard
     remaining = list(candidates)
     gw.retry_budget.record_request(time.monotonic())
     retrying = False
@@ -347,13 +342,15 @@ async def dispatch(
         gw.outliers.dispatched(index)
         gw.metrics.record_routed(index)
         gw.tasks.enter(index, task)
-        exchange = (
-            _exchange_lean(gw, index, request.method, target, head_lines, body)
-            if lean
-            else _exchange(gw, index, request.method, path, query, headers, body)
-        )
+        upstream: UpstreamResponse
         try:
-            upstream, content = await cancel_on_disconnect(scope, request.receive, exchange, task)
+            with guard:
+                if lean:
+                    upstream, content = await gw.upstream.send_routed(
+                        index, inbound.method, target, head_lines, body
+                    )
+                else:
+                    upstream, content = await _exchange(gw, index, inbound, headers, body)
         except ReplicaConnectError as exc:
             _abandon(gw, pick, index, task)
             gw.on_connect_failure(index, exc.kind)
@@ -392,7 +389,7 @@ async def dispatch(
                 return True
             return False
 
-        return RelayResponse(upstream, out_headers, on_close, was_ejected)
+        return RelayResponse(upstream, out_headers, guard, on_close, was_ejected)
     gw.tasks.leave(index, task)
     _release(gw, pick, index)
     gw.metrics.record_request(kind, status, time.perf_counter() - started)
@@ -400,13 +397,14 @@ async def dispatch(
 
 
 async def _exchange(
-    gw: Gateway, index: int, method: str, path: str, query: str,
-    headers: list[tuple[str, str]], body: bytes,
-) -> tuple[UpstreamResponse, bytes | None]:  # fmt: skip
-    """Send, and read the body too unless it is a stream (SSE, or no Content-Length): a
-    sized body is answered with one write. One disconnect guard covers both steps."""
-    upstream = await gw.upstream.send(index, method, path, query=query, headers=headers,
-                                      body=body)  # fmt: skip
+    gw: Gateway, index: int, inbound: Inbound, headers: list[tuple[str, str]], body: bytes
+) -> tuple[UpstreamResponse, bytes | None]:
+    """Send over aiohttp (FORWARDED), and read the body too unless it is a stream (SSE, or
+    no Content-Length): a sized body is answered with one write."""
+    upstream = await gw.upstream.send(
+        index, inbound.method, inbound.raw_path.decode("latin-1") or inbound.path,
+        query=inbound.query.decode("latin-1"), headers=headers, body=body,
+    )  # fmt: skip
     if upstream.content_length is None or upstream.content_type == "text/event-stream":
         return upstream, None
     try:
@@ -414,29 +412,6 @@ async def _exchange(
             content = await upstream.read()
     except BaseException:
         upstream.close()  # mid-body failure or client gone: abort, never reuse
-        raise
-    upstream.release()
-    return upstream, content
-
-
-async def _exchange_lean(
-    gw: Gateway, index: int, method: str, target: bytes, head_lines: bytes, body: bytes
-) -> tuple[UpstreamResponse, bytes | None]:
-    """``_exchange`` over ``gateway.h1client`` (the ROUTED path). ``read`` can only fail
-    with ``ConnectionError`` or ``TimeoutError``; mapped as ``map_errors`` would."""
-    upstream = await gw.upstream.send_routed(index, method, target, head_lines, body)
-    if upstream.content_length is None or upstream.content_type == "text/event-stream":
-        return upstream, None
-    try:
-        content = await upstream.read()
-    except TimeoutError as exc:
-        upstream.close()
-        raise UpstreamTimeout(f"replica {index} did not answer in time") from exc
-    except ConnectionError as exc:
-        upstream.close()
-        raise UpstreamError(f"replica {index} failed mid-response") from exc
-    except BaseException:
-        upstream.close()
         raise
     upstream.release()
     return upstream, content
@@ -455,14 +430,14 @@ def _abandon(gw: Gateway, pick: Pick, index: int, task: asyncio.Task[Any]) -> No
     _release(gw, pick, index)
 
 
-async def routed(request: Request, gw: Gateway | None = None) -> Response:
+async def rollout(gw: Gateway, inbound: Inbound) -> Response:
     """ROUTED: completions and chat completions."""
-    gw = gw or _gateway(request)
-    require_client(request, gw)
-    body = await read_body(request, gw.settings.max_body_bytes)
-    payload = parse_json_object(body, gw.settings.max_json_depth)
-    path: str = request.scope["path"]
-    _check_generation(path, payload, gw.settings)
+    check_key(inbound.header(b"authorization"), gw.client_keys, "API key")
+    settings = gw.settings
+    body = await inbound_body(inbound, settings.max_body_bytes)
+    payload = parse_json_object(body, settings.max_json_depth)
+    path = inbound.path
+    _check_generation(path, payload, settings)
     model = payload.get("model")
     healthy = gw.routable_or_503()
     allowed = gw.adapters.candidates(model)
@@ -477,7 +452,7 @@ async def routed(request: Request, gw: Gateway | None = None) -> Response:
         path=path,
         model=model,
         payload=payload,
-        session_key=_session_key(request, payload),
+        session_key=_session_key(inbound, payload),
         lacking_adapter=_NONE if allowed is None else frozenset(healthy) - frozenset(candidates),
     )
 
@@ -490,7 +465,7 @@ async def routed(request: Request, gw: Gateway | None = None) -> Response:
         return decision.replica
 
     if allowed is None:
-        return await dispatch(request, gw, RouteKind.ROUTED, body, candidates, Pick(choose))
+        return await dispatch(inbound, gw, RouteKind.ROUTED, body, candidates, Pick(choose))
     assert model is not None
     manager = gw.adapters
     pick = Pick(
@@ -498,21 +473,22 @@ async def routed(request: Request, gw: Gateway | None = None) -> Response:
         started=lambda i: manager.request_started(model, i),
         finished=lambda i: manager.request_finished(model, i),
     )
-    return await dispatch(request, gw, RouteKind.ROUTED, body, candidates, pick)
+    return await dispatch(inbound, gw, RouteKind.ROUTED, body, candidates, pick)
 
 
 async def forwarded(request: Request) -> Response:
     """FORWARDED: any other path goes to the least-loaded healthy replica."""
     gw = _gateway(request)
     require_client(request)
-    client = admit(gw, request)
+    inbound = Inbound.from_scope(request.scope, request.receive)
+    client = admit(gw, inbound)
     try:
-        body = await read_body(request, gw.settings.max_body_bytes)
+        body = await inbound_body(inbound, gw.settings.max_body_bytes)
 
         def choose(remaining: Sequence[int]) -> int:
             return min(remaining, key=lambda i: (gw.pool[i].in_flight, i))
 
-        response = await dispatch(request, gw, RouteKind.FORWARDED, body,
+        response = await dispatch(inbound, gw, RouteKind.FORWARDED, body,
                                   gw.routable_or_503(), Pick(choose))  # fmt: skip
     except BaseException:
         gw.admission.leave(client)
@@ -523,10 +499,10 @@ async def forwarded(request: Request) -> Response:
 # --- limits -------------------------------------------------------------------------------
 
 
-def admit(gw: Gateway, request: Request) -> bytes:
+def admit(gw: Gateway, inbound: Inbound) -> bytes:
     """Count the request against the in-flight limits (429 when over); returns the client
     key to ``leave`` with, exactly once."""
-    client = header(request, b"authorization") or _peer(request.scope)
+    client = inbound.header(b"authorization") or inbound.peer
     refusal = gw.admission.enter(client)
     if refusal is not None:
         gw.metrics.rejected.labels(refusal.value).inc()
@@ -534,11 +510,6 @@ def admit(gw: Gateway, request: Request) -> bytes:
         raise TooManyRequests(f"Too many requests in flight for {who}; retry shortly.",
                               headers={"Retry-After": "1"})  # fmt: skip
     return client
-
-
-def _peer(scope: Scope) -> bytes:
-    peer = scope.get("client")
-    return peer[0].encode() if peer else b"-"
 
 
 def check_headers(headers: Sequence[tuple[bytes, bytes]], settings: Settings) -> None:
@@ -584,9 +555,9 @@ async def broadcast(request: Request) -> Response:
     load/unload) on every healthy replica; success only if every replica succeeded."""
     gw = _gateway(request)
     require_admin(request)
-    body = await read_body(request, gw.settings.max_body_bytes)
+    body = await request_body(request, gw.settings.max_body_bytes)
     path = request.url.path
-    request_id = request_id_for(request)
+    request_id = request_id_for(header(request, b"x-request-id"))
     if path in _ADAPTER_PATHS:
         payload = parse_json_object(body, gw.settings.max_json_depth)
         manager = gw.adapters
@@ -653,7 +624,7 @@ async def server_info(request: Request) -> Response:
     try:
         infos = [orjson.loads(r.content) for r in results]
     except orjson.JSONDecodeError:
-        return _relay_buffered(results[0], request_id_for(request))
+        return _relay_buffered(results[0], request_id_for(header(request, b"x-request-id")))
     info = infos[0]
     vllm_config = info.get("vllm_config") if isinstance(info, dict) else None
     if isinstance(vllm_config, dict):
@@ -732,9 +703,11 @@ def _with_405(path: str, endpoint: Callable[[Request], Awaitable[Response]],
 
 
 def build_routes() -> list[BaseRoute]:
-    routes: list[BaseRoute] = []
-    for path in ROUTED_PATHS:
-        routes += _with_405(path, routed, ["POST"])
+    # POST to a ROUTED path never gets here: ``FastPath`` serves it; other methods: 405.
+    not_post = [m for m in _ALL_METHODS if m != "POST"]
+    routes: list[BaseRoute] = [
+        Route(path, _method_not_allowed(["POST"]), methods=not_post) for path in ROUTED_PATHS
+    ]
     for path in BROADCAST_PATHS:
         routes += _with_405(path, broadcast, ["POST"])
     routes += _with_405("/health", health, ["GET"])
@@ -748,12 +721,15 @@ def build_routes() -> list[BaseRoute]:
 
 class FastPath:
     """Outer ASGI app: header limits for every request, and ``POST`` to a ROUTED path
-    skips Starlette's router and middleware.
+    skips Starlette's router and middleware; ``lean`` serves the rollouts that
+    ``gateway.h1server`` read, without ASGI at all.
 
     Rollouts are the gateway's whole load; on 2 cores the proxy's CPU per request is its
     throughput, and the generic stack (route matching, two exception middlewares wrapping
-    every ``send``) cost a measurable share of it (``bench/overhead.py``). Everything else
-    goes to the full Starlette app. Errors are mapped exactly as its handlers map them.
+    every ``send``, then the ASGI scope, ``Request`` and ``Response`` objects) cost a
+    measurable share of it (``bench/overhead.py``, ``bench/cpu_per_request.py``).
+    Everything else goes to the full Starlette app. Errors are mapped exactly as its
+    handlers map them.
     """
 
     def __init__(self, app: Starlette) -> None:
@@ -768,37 +744,72 @@ class FastPath:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        gw = self.gateway
+        if scope["method"] == "POST" and scope["path"] in ROUTED_PATHS:
+            response, client = await self.respond(Inbound.from_scope(scope, receive))
+            try:
+                if response is not None:
+                    await response(scope, receive, send)
+            finally:
+                if client is not None:
+                    self.gateway.admission.leave(client)
+            return
         try:
-            check_headers(scope["headers"], gw.settings)
+            check_headers(scope["headers"], self.gateway.settings)
         except GatewayError as exc:
             await self._refuse(exc)(scope, receive, send)
             return
-        if scope["method"] != "POST" or scope["path"] not in ROUTED_PATHS:
-            await self.app(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    async def lean(self, exchange: LeanExchange) -> None:
+        """``gateway.h1server``'s handler: a rollout it read, answered in one write when
+        the response is complete (its headers are the gateway's own or ones its parser
+        accepted, see ``LeanExchange.respond``), else relayed through ``exchange.send``."""
+        if exchange.gone:
             return
-        scope["app"] = self.app
-        request = Request(scope, receive)
+        task = exchange.task
+        inbound = Inbound(
+            "POST", exchange.path, exchange.raw_path, b"", exchange.headers, exchange.client,
+            task, DisconnectGuard(task, lost=exchange.lost), body=exchange.body,
+        )  # fmt: skip
+        response, client = await self.respond(inbound)
         try:
-            client = admit(gw, request)
-        except GatewayError as exc:
-            await error_response(exc)(scope, receive, send)
-            return
-        try:
-            try:
-                response = await routed(request, gw)
-            except ClientDisconnected:
+            if response is None:
                 return
-            except GatewayError as exc:
-                response = self._refuse(exc)
-            except Exception:
-                log.exception("unhandled error on POST %s", scope["path"])
-                response = error_response(GatewayError("Internal gateway error."))
-            await response(scope, receive, send)
+            if isinstance(response, RelayResponse) or not exchange.respond(
+                response.status_code, response.raw_headers, bytes(response.body)
+            ):
+                await response(_LEAN_SCOPE, exchange.receive, exchange.send)
         finally:
+            if client is not None:
+                self.gateway.admission.leave(client)
+
+    async def respond(self, inbound: Inbound) -> tuple[Response | None, bytes | None]:
+        """The response to a rollout (None: the client left) and the admission key to
+        ``leave`` with once it is sent (None: refused before admission)."""
+        gw = self.gateway
+        try:
+            check_headers(inbound.headers, gw.settings)
+            client = admit(gw, inbound)
+        except GatewayError as exc:
+            return self._refuse(exc), None
+        try:
+            return await rollout(gw, inbound), client
+        except ClientDisconnected:
+            return None, client
+        except GatewayError as exc:
+            return self._refuse(exc), client
+        except Exception:
+            log.exception("unhandled error on POST %s", inbound.path)
+            return error_response(GatewayError("Internal gateway error.")), client
+        except BaseException:
             gw.admission.leave(client)
+            raise
 
     def _refuse(self, exc: GatewayError) -> Response:
         if exc.limit is not None:
             self.gateway.metrics.rejected.labels(exc.limit).inc()
         return error_response(exc)
+
+
+# What a response sent the ASGI way over a lean connection reads of its scope.
+_LEAN_SCOPE: Scope = {"type": "http"}

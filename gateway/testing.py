@@ -44,7 +44,7 @@ async def serve_asgi(
     sock = listen_socket("127.0.0.1", port)
     bound = sock.getsockname()[1]
     if http is None and isinstance(app, FastPath):
-        http = lean_protocol(app)
+        http = lean_protocol(app.lean)
     config = uvicorn.Config(
         app, http=http or "httptools", log_config=None, access_log=False, lifespan="on", ws="none"
     )

@@ -259,17 +259,19 @@ class Upstream:
 
     async def send_routed(
         self, replica: int, method: str, target: bytes, head_lines: bytes, body: bytes
-    ) -> H1Response:
+    ) -> tuple[H1Response, bytes | None]:
         """The data path's lean twin of ``send`` (``gateway.h1client``): ``target`` is the
         raw path and query, ``head_lines`` the client's forwardable headers
-        (``request_head_lines``). Errors are mapped exactly as ``map_errors`` maps them."""
+        (``request_head_lines``). A sized body is read too (the content, else None: a
+        stream for the caller to relay). Errors are mapped exactly as ``map_errors`` maps
+        them; on any failure the connection is closed, never reused."""
         _, pool, fixed, prefix = self._h1_for(replica)
         head = b"".join((
             method.encode("ascii"), b" ", prefix, target, b" HTTP/1.1\r\n", fixed, head_lines,
             b"content-length: ", str(len(body)).encode(), b"\r\n\r\n",
         ))  # fmt: skip
         try:
-            return await pool.request(head, body)
+            response = await pool.request(head, body)
         except ConnectFailed as exc:
             raise ReplicaConnectError(replica, exc.kind) from exc
         except ResetBeforeResponse as exc:
@@ -278,6 +280,21 @@ class Upstream:
             raise UpstreamTimeout(f"replica {replica} did not answer in time") from exc
         except ConnectionError as exc:
             raise UpstreamError(f"replica {replica} failed mid-response") from exc
+        if response.content_length is None or response.content_type == "text/event-stream":
+            return response, None
+        try:
+            content = await response.read()
+        except TimeoutError as exc:
+            response.close()
+            raise UpstreamTimeout(f"replica {replica} did not answer in time") from exc
+        except ConnectionError as exc:
+            response.close()
+            raise UpstreamError(f"replica {replica} failed mid-response") from exc
+        except BaseException:
+            response.close()
+            raise
+        response.release()
+        return response, content
 
     @property
     def session(self) -> aiohttp.ClientSession:

@@ -14,7 +14,7 @@ import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway import h1server
-from gateway.h1server import lean_protocol
+from gateway.h1server import LeanExchange, lean_protocol
 from gateway.testing import serve_asgi
 from tests.cluster import Cluster, cluster
 
@@ -214,23 +214,23 @@ async def test_idle_keep_alive_connection_is_closed() -> None:
             assert await reader.reader.read() == b""
 
 
-async def test_app_failures_become_500_or_a_closed_connection() -> None:
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        body = json.loads((await receive())["body"])
-        if body["case"] == "raise":
+async def test_handler_failures_become_500_or_a_closed_connection() -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:  # lifespan only
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+
+    async def handler(exchange: LeanExchange) -> None:
+        case = json.loads(exchange.body)["case"]
+        if case == "raise":
             raise ValueError("boom")
-        if body["case"] == "bad-header":
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"x-evil", b"a\r\nset-cookie: x")]})  # fmt: skip
-            await send({"type": "http.response.body", "body": b"never"})
+        if case == "bad-header":
+            await exchange.send({"type": "http.response.start", "status": 200,
+                                 "headers": [(b"x-evil", b"a\r\nset-cookie: x")]})  # fmt: skip
+            await exchange.send({"type": "http.response.body", "body": b"never"})
         # "silent": returns without a response
 
-    async with serve_asgi(app, http=lean_protocol(app)) as url:
+    async with serve_asgi(app, http=lean_protocol(handler)) as url:
         port = int(url.rsplit(":", 1)[1])
         for case in ("raise", "bad-header", "silent"):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
