@@ -9,7 +9,11 @@ alternations with the variant order rotated, it reads utime+stime of the gateway
 ``/proc/PID/stat`` before and after ``bench/loadgen.py`` runs:
 
 * throughput: ``--tput-requests`` requests at ``--concurrency`` (64) in flight;
-* latency: ``--lat-requests`` requests at 1 in flight.
+* latency: ``--lat-requests`` requests at 1 in flight;
+* paced (with ``--rate R``): ``--tput-requests`` requests offered open-loop at R req/s over
+  ``--concurrency`` connections. Closed-loop CPU per request depends on how many requests
+  each loop wake-up batches, which moves with the load client's speed on a busy host; a
+  fixed arrival rate gives every variant the same pattern.
 
 us/request = delta CPU / requests; the table shows medians over rounds, plus req/s and p50.
 
@@ -87,9 +91,13 @@ def started(procs: list[subprocess.Popen[bytes]]) -> Iterator[list[subprocess.Po
                 p.wait(timeout=5)
 
 
-def loadgen(url: str, mode: str, requests: int, concurrency: int) -> dict[str, object]:
+def loadgen(
+    url: str, mode: str, requests: int, concurrency: int, rate: float | None = None
+) -> dict[str, object]:
     argv = [PY, str(HERE / "loadgen.py"), "--url", url, "--mode", mode]
     argv += ["--requests", str(requests), "--concurrency", str(concurrency)]
+    if rate:
+        argv += ["--rate", str(rate)]
     argv += ["--max-seconds", "120"]
     out = subprocess.run(argv, capture_output=True, timeout=200, preexec_fn=_pin(CLIENT_CPU))
     try:
@@ -99,9 +107,11 @@ def loadgen(url: str, mode: str, requests: int, concurrency: int) -> dict[str, o
     return result
 
 
-def measure(url: str, pid: int, mode: str, requests: int, concurrency: int) -> dict[str, float]:
+def measure(
+    url: str, pid: int, mode: str, requests: int, concurrency: int, rate: float | None = None
+) -> dict[str, float]:
     before = cpu_seconds(pid)
-    res = loadgen(url, mode, requests, concurrency)
+    res = loadgen(url, mode, requests, concurrency, rate)
     used = cpu_seconds(pid) - before
     done = int(res["requests"])  # type: ignore[call-overload]
     if int(res["errors"]) or done < requests:  # type: ignore[call-overload]
@@ -123,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tput-requests", type=int, default=20000)
     parser.add_argument("--lat-requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rate", type=float, help="paced instead of closed loop (req/s)")
     parser.add_argument("--json", type=Path, help="also write the raw rounds here")
     args = parser.parse_args(argv)
     variants = dict(v.split("=", 1) for v in args.variant)
@@ -154,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 url, pid = fronts[name]
-                t = measure(url, pid, "throughput", args.tput_requests, args.concurrency)
+                t = measure(url, pid, "throughput", args.tput_requests, args.concurrency,
+                            args.rate)  # fmt: skip
                 lat = measure(url, pid, "latency", args.lat_requests, 1)
                 row = {f"tput_{k}": v for k, v in t.items()}
                 row.update({f"lat_{k}": v for k, v in lat.items()})
@@ -164,16 +176,22 @@ def main(argv: list[str] | None = None) -> int:
 
     base = names[0]
     med = {n: {k: statistics.median(x[k] for x in rows[n]) for k in rows[n][0]} for n in names}
-    print(f"| variant | us/req @{args.concurrency} | vs {base} | req/s @{args.concurrency} "
+    load = f"{args.rate:g}/s paced" if args.rate else f"@{args.concurrency}"
+    print(f"| variant | us/req {load} | vs {base} | req/s {load} "
           "| us/req @1 | vs base | req/s @1 | p50 @1 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
+
+    def paired(n: str, key: str) -> float:
+        """Median over rounds of the ratio within each round: the variants of one round
+        ran back to back, so this cancels most of the host's drift between rounds."""
+        return statistics.median(r[key] / b[key] for r, b in zip(rows[n], rows[base], strict=True))
+
     for n in names:
-        m, b = med[n], med[base]
-        tput_ratio = m["tput_us_per_req"] / b["tput_us_per_req"]
+        m = med[n]
         print(
-            f"| {n} | {m['tput_us_per_req']:.0f} | {tput_ratio:.2f}x"
+            f"| {n} | {m['tput_us_per_req']:.0f} | {paired(n, 'tput_us_per_req'):.2f}x"
             f" | {m['tput_rps']:,.0f} | {m['lat_us_per_req']:.0f}"
-            f" | {m['lat_us_per_req'] / b['lat_us_per_req']:.2f}x | {m['lat_rps']:,.0f}"
+            f" | {paired(n, 'lat_us_per_req'):.2f}x | {m['lat_rps']:,.0f}"
             f" | {m['lat_p50_ms']:.3f} ms |"
         )
     if args.json:

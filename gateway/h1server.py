@@ -242,10 +242,10 @@ class LeanProtocol(asyncio.Protocol):
             return
         exchange = LeanExchange(self, body, self.keep_alive and not self.closing)
         self.exchange = exchange
-        task = exchange.task = self.loop.create_task(exchange.run(self.handler))
-        tasks = self.server_state.tasks
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        # In uvicorn's task set until the response is out (``LeanExchange._finish``): its
+        # graceful shutdown waits for, and past the timeout cancels, what is in there.
+        exchange.task = self.loop.create_task(exchange.run(self.handler))
+        self.server_state.tasks.add(exchange.task)
 
     def finished(self, exchange: LeanExchange, *, reuse: bool) -> None:
         """The response is out (or abandoned): next request, or close."""
@@ -395,6 +395,7 @@ class LeanExchange:
     def _finish(self, *, reuse: bool) -> None:
         if not self.done:
             self.done = True
+            self.conn.server_state.tasks.discard(self.task)
             self.conn.finished(self, reuse=reuse)
 
     def disconnected(self) -> None:

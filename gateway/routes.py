@@ -197,16 +197,6 @@ async def request_body(request: Request, limit: int) -> bytes:
     return await read_body(request.receive, header(request, b"content-length"), limit)
 
 
-async def inbound_body(inbound: Inbound, limit: int) -> bytes:
-    """The body the server already read (``gateway.h1server``), else read it now."""
-    body = inbound.body
-    if body is None:
-        assert inbound.receive is not None
-        return await read_body(inbound.receive, inbound.header(b"content-length"), limit)
-    _check_body_size(len(body), limit)
-    return body
-
-
 def _check_body_size(size: int, limit: int) -> None:
     if size > limit:
         raise PayloadTooLarge(f"Request body exceeds the {limit}-byte limit.", limit="body")
@@ -430,11 +420,10 @@ def _abandon(gw: Gateway, pick: Pick, index: int, task: asyncio.Task[Any]) -> No
     _release(gw, pick, index)
 
 
-async def rollout(gw: Gateway, inbound: Inbound) -> Response:
-    """ROUTED: completions and chat completions."""
-    check_key(inbound.header(b"authorization"), gw.client_keys, "API key")
+def plan_rollout(gw: Gateway, inbound: Inbound, body: bytes) -> tuple[list[int], Pick]:
+    """ROUTED (completions and chat completions): validate the body, and say which
+    replicas may serve it and how to choose among them. Synchronous: no coroutine."""
     settings = gw.settings
-    body = await inbound_body(inbound, settings.max_body_bytes)
     payload = parse_json_object(body, settings.max_json_depth)
     path = inbound.path
     _check_generation(path, payload, settings)
@@ -465,7 +454,7 @@ async def rollout(gw: Gateway, inbound: Inbound) -> Response:
         return decision.replica
 
     if allowed is None:
-        return await dispatch(inbound, gw, RouteKind.ROUTED, body, candidates, Pick(choose))
+        return candidates, Pick(choose)
     assert model is not None
     manager = gw.adapters
     pick = Pick(
@@ -473,7 +462,7 @@ async def rollout(gw: Gateway, inbound: Inbound) -> Response:
         started=lambda i: manager.request_started(model, i),
         finished=lambda i: manager.request_finished(model, i),
     )
-    return await dispatch(inbound, gw, RouteKind.ROUTED, body, candidates, pick)
+    return candidates, pick
 
 
 async def forwarded(request: Request) -> Response:
@@ -483,7 +472,7 @@ async def forwarded(request: Request) -> Response:
     inbound = Inbound.from_scope(request.scope, request.receive)
     client = admit(gw, inbound)
     try:
-        body = await inbound_body(inbound, gw.settings.max_body_bytes)
+        body = await request_body(request, gw.settings.max_body_bytes)
 
         def choose(remaining: Sequence[int]) -> int:
             return min(remaining, key=lambda i: (gw.pool[i].in_flight, i))
@@ -793,7 +782,16 @@ class FastPath:
         except GatewayError as exc:
             return self._refuse(exc), None
         try:
-            return await rollout(gw, inbound), client
+            check_key(inbound.header(b"authorization"), gw.client_keys, "API key")
+            limit = gw.settings.max_body_bytes
+            body = inbound.body  # already read by ``gateway.h1server``
+            if body is None:
+                assert inbound.receive is not None
+                body = await read_body(inbound.receive, inbound.header(b"content-length"), limit)
+            _check_body_size(len(body), limit)
+            candidates, pick = plan_rollout(gw, inbound, body)
+            response = await dispatch(inbound, gw, RouteKind.ROUTED, body, candidates, pick)
+            return response, client
         except ClientDisconnected:
             return None, client
         except GatewayError as exc:
