@@ -13,7 +13,10 @@ alternations with the variant order rotated, it reads utime+stime of the gateway
 * paced (with ``--rate R``): ``--tput-requests`` requests offered open-loop at R req/s over
   ``--concurrency`` connections. Closed-loop CPU per request depends on how many requests
   each loop wake-up batches, which moves with the load client's speed on a busy host; a
-  fixed arrival rate gives every variant the same pattern.
+  fixed arrival rate gives every variant the same pattern;
+* streams (with ``--stream``): the upstream and client are ``bench/ceiling.py``'s (16 SSE
+  token events and ``[DONE]`` per request, one upstream write each; 64 connections); no
+  latency run.
 
 us/request = delta CPU / requests; the table shows medians over rounds, plus req/s and p50.
 
@@ -92,10 +95,15 @@ def started(procs: list[subprocess.Popen[bytes]]) -> Iterator[list[subprocess.Po
 
 
 def loadgen(
-    url: str, mode: str, requests: int, concurrency: int, rate: float | None = None
-) -> dict[str, object]:
-    argv = [PY, str(HERE / "loadgen.py"), "--url", url, "--mode", mode]
-    argv += ["--requests", str(requests), "--concurrency", str(concurrency)]
+    url: str, mode: str, requests: int, concurrency: int, rate: float | None = None,
+    stream: bool = False,
+) -> dict[str, object]:  # fmt: skip
+    if stream:
+        argv = [PY, str(HERE / "ceiling.py"), "_client", "--url", url, "--stream"]
+        argv += ["--requests", str(requests)]
+    else:
+        argv = [PY, str(HERE / "loadgen.py"), "--url", url, "--mode", mode]
+        argv += ["--requests", str(requests), "--concurrency", str(concurrency)]
     if rate:
         argv += ["--rate", str(rate)]
     argv += ["--max-seconds", "120"]
@@ -108,10 +116,11 @@ def loadgen(
 
 
 def measure(
-    url: str, pid: int, mode: str, requests: int, concurrency: int, rate: float | None = None
-) -> dict[str, float]:
+    url: str, pid: int, mode: str, requests: int, concurrency: int, rate: float | None = None,
+    stream: bool = False,
+) -> dict[str, float]:  # fmt: skip
     before = cpu_seconds(pid)
-    res = loadgen(url, mode, requests, concurrency, rate)
+    res = loadgen(url, mode, requests, concurrency, rate, stream)
     used = cpu_seconds(pid) - before
     done = int(res["requests"])  # type: ignore[call-overload]
     if int(res["errors"]) or done < requests:  # type: ignore[call-overload]
@@ -134,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lat-requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rate", type=float, help="paced instead of closed loop (req/s)")
+    parser.add_argument("--stream", action="store_true", help="SSE streams (no latency run)")
     parser.add_argument("--json", type=Path, help="also write the raw rounds here")
     args = parser.parse_args(argv)
     variants = dict(v.split("=", 1) for v in args.variant)
@@ -142,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     with started(procs):
         up_cmd = [PY, str(HERE / "instant_upstream.py"), "--port", str(up_port)]
+        if args.stream:
+            up_cmd = [PY, str(HERE / "ceiling.py"), "_upstream", "--port", str(up_port)]
         procs.append(subprocess.Popen(up_cmd, preexec_fn=_pin(CLIENT_CPU)))
         up = f"http://127.0.0.1:{up_port}"
         wait_ready(up + "/health", procs[-1])
@@ -157,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         for url, pid in fronts.values():
             wait_ready(url + "/health", next(p for p in procs if p.pid == pid))
         for url, _ in fronts.values():  # warm-up: connections, caches, allocator
-            loadgen(url, "throughput", 3000, args.concurrency)
-            loadgen(url, "latency", 300, 1)
+            loadgen(url, "throughput", 3000, args.concurrency, stream=args.stream)
+            if not args.stream:
+                loadgen(url, "latency", 300, 1)
 
         names = list(fronts)
         rows: dict[str, list[dict[str, float]]] = {n: [] for n in names}
@@ -166,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 url, pid = fronts[name]
                 t = measure(url, pid, "throughput", args.tput_requests, args.concurrency,
-                            args.rate)  # fmt: skip
-                lat = measure(url, pid, "latency", args.lat_requests, 1)
+                            args.rate, args.stream)  # fmt: skip
                 row = {f"tput_{k}": v for k, v in t.items()}
-                row.update({f"lat_{k}": v for k, v in lat.items()})
+                if not args.stream:
+                    lat = measure(url, pid, "latency", args.lat_requests, 1)
+                    row.update({f"lat_{k}": v for k, v in lat.items()})
                 rows[name].append(row)
                 print(f"round {r + 1} {name}: " + " ".join(f"{k}={v:.3f}" for k, v in row.items()),
                       file=sys.stderr, flush=True)  # fmt: skip
@@ -177,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     base = names[0]
     med = {n: {k: statistics.median(x[k] for x in rows[n]) for k in rows[n][0]} for n in names}
     load = f"{args.rate:g}/s paced" if args.rate else f"@{args.concurrency}"
+    if args.stream:
+        load = f"streams {load}"
     print(f"| variant | us/req {load} | vs {base} | req/s {load} "
           "| us/req @1 | vs base | req/s @1 | p50 @1 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -188,11 +204,15 @@ def main(argv: list[str] | None = None) -> int:
 
     for n in names:
         m = med[n]
+        cells = (
+            f"{m['lat_us_per_req']:.0f} | {paired(n, 'lat_us_per_req'):.2f}x"
+            f" | {m['lat_rps']:,.0f} | {m['lat_p50_ms']:.3f} ms"
+            if not args.stream
+            else "- | - | - | -"
+        )
         print(
             f"| {n} | {m['tput_us_per_req']:.0f} | {paired(n, 'tput_us_per_req'):.2f}x"
-            f" | {m['tput_rps']:,.0f} | {m['lat_us_per_req']:.0f}"
-            f" | {paired(n, 'lat_us_per_req'):.2f}x | {m['lat_rps']:,.0f}"
-            f" | {m['lat_p50_ms']:.3f} ms |"
+            f" | {m['tput_rps']:,.0f} | {cells} |"
         )
     if args.json:
         args.json.write_text(json.dumps({"rounds": rows, "median": med}, indent=1) + "\n")

@@ -132,12 +132,18 @@ class H1Response:
         return self
 
     async def iter_any(self) -> AsyncIterator[bytes]:
-        """Body chunks as they arrive."""
+        """Body bytes as they arrive: everything buffered at that moment, as one piece. A
+        burst of SSE events read together is then relayed with one write, not one each
+        (nothing is held back to wait for more)."""
         self._streaming = True
         chunks = self._chunks
         while True:
             if chunks:
-                chunk = chunks.popleft()
+                if len(chunks) == 1:
+                    chunk = chunks.popleft()
+                else:
+                    chunk = b"".join(chunks)
+                    chunks.clear()
                 self._buffered -= len(chunk)
                 if self._buffered < _LOW_WATER and self._conn is not None:
                     self._conn.resume()

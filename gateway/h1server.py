@@ -463,13 +463,45 @@ class LeanExchange:
         started, or writing is paused). The headers are trusted: lower-case, valid and not
         hop-by-hop (the gateway's own, or upstream ones its parser accepted), so neither
         ASGI messages nor ``_head``'s checks are needed."""
-        conn = self.conn
-        if self.started or self.pending is not None or conn.write_paused:
+        if self.started or self.pending is not None or self.conn.write_paused:
             return False
+        if not (self.gone or self.done):
+            self._write_head(status, headers, body)
+            self._finish(reuse=self.keep_alive)
+        return True
+
+    def start_chunked(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """The head of a streamed response (chunked), headers trusted as in ``respond``;
+        then ``write_chunk`` per chunk: a stream relayed without one ASGI message (and one
+        coroutine) per chunk."""
+        if self.started or self.pending is not None:
+            raise RuntimeError("the response has started already")
+        self.chunked = True
+        if not (self.gone or self.done):
+            self._write_head(status, [*headers, (b"transfer-encoding", b"chunked")], b"")
+
+    def write_chunk(self, data: bytes, *, last: bool = False) -> bool:
+        """One chunk (``last``: then the end of the response). False: the client reads
+        slower than the stream arrives; ``await drain()`` before writing more."""
+        conn = self.conn
         if self.gone or self.done:
             return True
-        state = conn.server_state
-        defaults = state.default_headers
+        out = b"%x\r\n%s\r\n" % (len(data), data) if data else b""
+        if last:
+            out += b"0\r\n\r\n"
+        if out:
+            assert conn.transport is not None
+            conn.transport.write(out)
+        if last:
+            self._finish(reuse=self.keep_alive)
+        return not conn.write_paused
+
+    async def drain(self) -> None:
+        await self.conn.drain()
+
+    def _write_head(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        conn = self.conn
+        defaults = conn.server_state.default_headers
         if defaults is not _DEFAULTS[0]:  # uvicorn renews the list (Date) once a second
             _DEFAULTS[:] = [defaults, b"".join([n + b": " + v + b"\r\n" for n, v in defaults])]
         parts = [STATUS_LINE[status], _DEFAULTS[1]]
@@ -479,8 +511,6 @@ class LeanExchange:
         assert conn.transport is not None
         conn.transport.write(b"".join(parts))
         self.started = True
-        self._finish(reuse=self.keep_alive)
-        return True
 
     def _head(self, start: Message) -> bytes:
         headers = [*self.conn.server_state.default_headers, *start.get("headers", ())]

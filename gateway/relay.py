@@ -14,7 +14,7 @@ block) it cancels the serving task when the client leaves.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.errors import UpstreamError
 
 if TYPE_CHECKING:
+    from gateway.h1server import LeanExchange
     from gateway.upstream import UpstreamResponse
 
 __all__ = ["BodyResponse", "ClientDisconnected", "DisconnectGuard", "RelayResponse"]
@@ -144,6 +145,14 @@ class RelayResponse(Response):
         self._on_close = on_close
         self._ejected = ejected
 
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._relay(self._pump(send))
+
+    async def stream_to(self, exchange: LeanExchange) -> None:
+        """The same relay on a ``gateway.h1server`` connection: chunks are written as they
+        arrive, without an ASGI message per chunk."""
+        await self._relay(self._pump_lean(exchange))
+
     async def _pump(self, send: Send) -> bool:
         """Relay everything; False if the upstream broke (or was ejected) mid-body."""
         intact = True
@@ -158,19 +167,39 @@ class RelayResponse(Response):
             intact = False
         except (aiohttp.ClientError, ConnectionError, TimeoutError):
             intact = False
-        if not intact and self._upstream.content_type == "text/event-stream":
-            # Headers are out: the only honest signal left is an SSE error event.
-            err = UpstreamError("upstream replica failed mid-stream").body()
-            event = b"data: " + err + b"\n\n"
+        if not intact and (event := self._error_event()):
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return intact
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _pump_lean(self, exchange: LeanExchange) -> bool:
+        """``_pump`` over ``LeanExchange.write_chunk``."""
+        intact = True
+        try:
+            exchange.start_chunked(self.status_code, self.raw_headers)
+            async for chunk in self._upstream.content.iter_any():
+                if not exchange.write_chunk(chunk):
+                    await exchange.drain()
+        except asyncio.CancelledError:
+            if not self._ejected():
+                raise
+            intact = False
+        except (ConnectionError, TimeoutError):
+            intact = False
+        exchange.write_chunk(b"" if intact else self._error_event(), last=True)
+        return intact
+
+    def _error_event(self) -> bytes:
+        """Headers are out: for SSE the only honest signal left is an error event."""
+        if self._upstream.content_type != "text/event-stream":
+            return b""
+        return b"data: " + UpstreamError("upstream replica failed mid-stream").body() + b"\n\n"
+
+    async def _relay(self, pump: Coroutine[Any, Any, bool]) -> None:
         completed = False
         try:
             with self._guard:
-                completed = await self._pump(send)
+                completed = await pump
         except (ClientDisconnected, OSError):
             pass  # the client left; nobody to answer
         finally:

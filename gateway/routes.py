@@ -764,7 +764,9 @@ class FastPath:
         try:
             if response is None:
                 return
-            if isinstance(response, RelayResponse) or not exchange.respond(
+            if isinstance(response, RelayResponse):
+                await response.stream_to(exchange)
+            elif not exchange.respond(
                 response.status_code, response.raw_headers, bytes(response.body)
             ):
                 await response(_LEAN_SCOPE, exchange.receive, exchange.send)

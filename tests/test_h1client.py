@@ -105,6 +105,25 @@ async def test_chunked_stream_arrives_chunk_by_chunk() -> None:
         pool.close()
 
 
+async def test_chunks_read_together_come_out_as_one_piece() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        events = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in (b"data: 1\n\n", b"data: 2\n\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n" + events + b"0\r\n\r\n")  # fmt: skip
+        await writer.drain()
+        await reader.read()
+
+    async with server(handler) as (port, _):
+        pool = pool_for(port)
+        response = await pool.request(HEAD, b"{}")
+        await asyncio.sleep(0.05)  # the whole burst is buffered before the relay reads it
+        pieces = [c async for c in response.content.iter_any()]
+        assert pieces == [b"data: 1\n\ndata: 2\n\n"]  # one write downstream, not one per event
+        response.release()
+        pool.close()
+
+
 async def test_new_connection_closed_before_any_byte_is_a_reset_not_resent() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
