@@ -38,6 +38,9 @@ CPU 1; the load client, both upstreams and py-spy on CPU 0.
 
     .venv/bin/python bench/ceiling.py            # full run, <= 15 min (make bench-ceiling)
     .venv/bin/python bench/ceiling.py --quick    # smoke, ~1-2 minutes, writes nothing
+    # like for like: both fronts round robin (the gateway's default is prefix affinity)
+    .venv/bin/python bench/ceiling.py --gateway-router round_robin --modes non-streaming \
+        --no-passthrough --out-dir bench/results/ceiling-round-robin
 
 Writes ``bench/results/ceiling.{json,md,png}`` and ``ceiling-profile.svg`` (``--out-dir``).
 Only processes started here are stopped, by PID; everything binds 127.0.0.1.
@@ -554,6 +557,8 @@ def fleet_up(
     with_router: bool = True,
     with_passthrough: bool = True,
     stream_writes: str = "event",
+    gateway_router: str | None = None,
+    router_policy: str = "round_robin",
 ) -> Iterator[tuple[Fleet, dict[str, str], dict[str, int]]]:
     """Two upstreams, the gateway and vllm-router (same flags as ``bench/overhead.py``) and
     the minimal pass-through; every front on the front core."""
@@ -579,6 +584,8 @@ def fleet_up(
         for url in up_urls:
             gw_argv += ["--replica", url]
         gw_argv += ["--host", "127.0.0.1", "--port", str(gw_port), "--log-level", "WARNING"]
+        if gateway_router:
+            gw_argv += ["--router", gateway_router]
         gw = fleet.start("gateway", gw_argv, "front")
         fronts["gateway"] = f"http://127.0.0.1:{gw_port}"
         pids["gateway"] = gw.popen.pid
@@ -601,7 +608,7 @@ def fleet_up(
         pids["floor"] = floor.popen.pid
 
         router = None
-        started = start_vllm_router(fleet, up_urls) if with_router else None
+        started = start_vllm_router(fleet, up_urls, router_policy) if with_router else None
         if started is not None:
             router, fronts["vllm-router"] = started
             pids["vllm-router"] = router.popen.pid
@@ -1078,9 +1085,10 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"Gateway: git {machine['git_head']}"
         + (" + uncommitted gateway/ changes" if machine["gateway_tree_dirty"] else "")
-        + ", flags `--log-level WARNING` (default router: prefix affinity); vllm-router "
-        f"{machine['packages'].get('vllm-router')} `--policy round_robin`. Raw data: "
-        "`bench/results/ceiling.json`; plot: `ceiling.png`; flame graph: `ceiling-profile.svg`.",
+        + f", flags `--log-level WARNING`, router: {cfg.get('gateway_router', 'prefix')}; "
+        f"vllm-router {machine['packages'].get('vllm-router')} "
+        f"`--policy {cfg.get('router_policy', 'round_robin')}`. Raw data: `ceiling.json`; "
+        "plot: `ceiling.png`; flame graph: `ceiling-profile.svg` (beside this file).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -1322,6 +1330,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=900.0, help="whole run, seconds")
     parser.add_argument("--no-router", action="store_true", help="skip vllm-router")
     parser.add_argument(
+        "--gateway-router", help="the gateway's --router (default: its default, prefix)"
+    )
+    parser.add_argument(
+        "--router-policy", default="round_robin", help="vllm-router --policy (like for like: "
+        "--gateway-router round_robin)",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-passthrough", action="store_true", help="skip the minimal pass-through front"
     )
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
@@ -1354,6 +1369,8 @@ def main(argv: list[str] | None = None) -> int:
         "with_router": not args.no_router,
         "with_passthrough": not args.no_passthrough,
         "stream_writes": args.stream_writes,
+        "gateway_router": args.gateway_router,
+        "router_policy": args.router_policy,
     }
     with fleet_up(args.placement, log_dir, **fleet_kw) as (fleet, all_fronts, pids):
 
@@ -1427,6 +1444,8 @@ def main(argv: list[str] | None = None) -> int:
             "connections": CONNECTIONS,
             "stream_tokens": STREAM_TOKENS,
             "stream_writes": args.stream_writes,
+            "gateway_router": args.gateway_router or "prefix (default)",
+            "router_policy": args.router_policy,
             "rule": {
                 "min_achieved_ratio": MIN_ACHIEVED,
                 "max_late_fraction": MAX_LATE,

@@ -264,9 +264,11 @@ def med(values: list[float]) -> float:
     return round(statistics.median(vals), 4) if vals else float("nan")
 
 
-def start_vllm_router(fleet: Fleet, up_urls: list[str]) -> tuple[Proc, str] | None:
-    """vllm-router (``round_robin``) over ``up_urls`` on the front core, or None if it is
-    not installed; returns the process and its URL (wait for ``/health`` before use)."""
+def start_vllm_router(
+    fleet: Fleet, up_urls: list[str], policy: str = "round_robin"
+) -> tuple[Proc, str] | None:
+    """vllm-router (``policy``) over ``up_urls`` on the front core, or None if it is not
+    installed; returns the process and its URL (wait for ``/health`` before use)."""
     router_bin = BIN / "vllm-router"
     if not router_bin.exists() and shutil.which("vllm-router"):
         router_bin = Path(shutil.which("vllm-router") or "")
@@ -274,7 +276,7 @@ def start_vllm_router(fleet: Fleet, up_urls: list[str]) -> tuple[Proc, str] | No
         return None
     rport, mport = free_port(), free_port()
     argv = [str(router_bin), "--host", "127.0.0.1", "--port", str(rport), "--worker-urls",
-            *up_urls, "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
+            *up_urls, "--policy", policy, "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(mport)]  # fmt: skip
     return fleet.start("vllm-router", argv, "front"), f"http://127.0.0.1:{rport}"
 
