@@ -1,0 +1,154 @@
+"""User-space instructions the gateway executes per proxied request: a noise-free A/B.
+
+Why: on this shared 2-core VM, CPU time per request swings by 10-20 % between runs of the
+same code (``bench/cpu_per_request.py`` pairs rounds to cancel some of it), and the VM
+exposes no hardware counters. Valgrind counts every instruction the process retires
+(``cachegrind --cache-sim=no``): the same code on the same input gives the same count to
+within ~0.01 %, whatever else the host is doing. It sees user space only -- syscalls and
+the kernel's TCP work are not counted -- and not cache misses; it measures how much work
+the code asks for, which is what a change to the gateway's Python moves.
+
+For each *variant* (a source tree holding a ``gateway`` package) the gateway runs under
+valgrind twice in front of ``bench/instant_upstream.py``: once serving nothing but its
+readiness probes, once serving ``--requests`` rollouts from ``bench/loadgen.py`` (64 in
+flight, and again at 1 in flight); it is stopped with SIGTERM so valgrind prints its
+total. Instructions per request = (total with requests - total without) / requests.
+
+    .venv/bin/python bench/instructions.py --variant before=/tmp/base --variant after=.
+
+Each run takes ~20-40 s (valgrind slows Python ~30x). Writes nothing unless ``--json`` /
+``--md``. Only processes started here are stopped, by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+_TOTAL = re.compile(rb"I\s+refs:\s+([\d,]+)")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
+
+
+def count(tree: Path, upstream: str, requests: int, mode: str) -> int:
+    """Instructions of one gateway life: start, ``requests`` rollouts, SIGTERM."""
+    port = _free_port()
+    cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"]
+    cmd += [PY, "-m", "gateway", "serve", "--replica", upstream, "--port", str(port)]
+    cmd += ["--log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(url + "/health", proc, timeout=300)
+        if requests:
+            argv = [PY, str(HERE / "loadgen.py"), "--url", url, "--mode", mode]
+            argv += ["--requests", str(requests), "--max-seconds", "900"]
+            done = subprocess.run(argv, capture_output=True, timeout=1200, check=True)
+            result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+            if result["errors"] or result["requests"] != requests:
+                raise RuntimeError(f"load failed: {result}")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    found = _TOTAL.search(err)
+    if not found:
+        raise RuntimeError(f"no valgrind total: {err[-2000:].decode(errors='replace')}")
+    return int(found.group(1).replace(b",", b""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--variant", action="append", required=True, metavar="NAME=TREE")
+    parser.add_argument("--requests", type=int, default=4000, help="per run at 64 in flight")
+    parser.add_argument(
+        "--lat-requests", type=int, default=2000, help="per run at 1 in flight (0: skip)"
+    )
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--md", type=Path)
+    args = parser.parse_args(argv)
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    variants = {n: Path(t).resolve() for n, t in (v.split("=", 1) for v in args.variant)}
+    up_port = _free_port()
+    upstream = f"http://127.0.0.1:{up_port}"
+    up = subprocess.Popen([PY, str(HERE / "instant_upstream.py"), "--port", str(up_port)])
+    rows: dict[str, dict[str, float]] = {}
+    try:
+        _wait_ready(upstream + "/health", up, timeout=30)
+        for name, tree in variants.items():
+            idle = count(tree, upstream, 0, "throughput")
+            row: dict[str, float] = {"idle_instructions": idle}
+            for mode, n in (("throughput", args.requests), ("latency", args.lat_requests)):
+                if not n:
+                    continue
+                total = count(tree, upstream, n, mode)
+                row[f"{mode}_instructions_per_request"] = round((total - idle) / n)
+            rows[name] = row
+            print(name, row, file=sys.stderr, flush=True)
+    finally:
+        up.terminate()
+        up.wait(timeout=10)
+
+    base = next(iter(rows))
+    lines = [
+        f"| variant | instructions/req @64 | vs {base} | instructions/req @1 | vs {base} |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        cells = [f"| {name} "]
+        for mode in ("throughput", "latency"):
+            key = f"{mode}_instructions_per_request"
+            if key in row:
+                ratio = row[key] / rows[base][key]
+                cells.append(f"| {row[key]:,.0f} | {ratio:.3f}x ")
+            else:
+                cells.append("| - | - ")
+        lines.append("".join(cells) + "|")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.json:
+        args.json.write_text(json.dumps({"variants": rows}, indent=1) + "\n")
+    if args.md:
+        args.md.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
