@@ -215,10 +215,10 @@ def parse_json_object(body: bytes, max_depth: int | None = None) -> dict[str, An
 
 
 def _too_deep(body: bytes, payload: dict[str, Any], limit: int) -> bool:
-    """Whether objects/arrays nest more than ``limit`` deep. Counting brackets in the raw
-    bytes (C speed) bounds the depth from above, so the walk runs only for bodies with
+    """Whether objects/arrays nest more than ``limit`` deep. The number of ``[`` and ``{``
+    in the raw bytes bounds the depth from above, so the walk runs only for bodies with
     many containers -- never for a TRL rollout (a token-id list inside one object)."""
-    if body.count(b"[") + body.count(b"{") <= limit:
+    if not _openers_exceed(body, limit):
         return False
     stack: list[tuple[Any, int]] = [(payload, 1)]
     while stack:
@@ -227,6 +227,22 @@ def _too_deep(body: bytes, payload: dict[str, Any], limit: int) -> bool:
             return True
         children = value.values() if isinstance(value, dict) else value
         stack.extend((v, depth + 1) for v in children if isinstance(v, dict | list))
+    return False
+
+
+def _openers_exceed(body: bytes, limit: int) -> bool:
+    """``body.count(b"[") + body.count(b"{") > limit``, found with ``find`` (memchr) from
+    opener to opener and stopping past ``limit``: a TRL body (one of each) costs four
+    calls, where counting walked every byte twice (5 % of a rollout's instructions,
+    ``bench/results/instructions.ablations.md``)."""
+    seen = 0
+    for opener in (b"[", b"{"):
+        at = body.find(opener)
+        while at >= 0:
+            seen += 1
+            if seen > limit:
+                return True
+            at = body.find(opener, at + 1)
     return False
 
 

@@ -7,12 +7,16 @@ import json
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from gateway.routes import _openers_exceed
 from gateway.sim.config import SimConfig
 from gateway.sim.latency import LatencyModel
 from tests.cluster import cluster
 
 BODY = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 4}
+_BRACKETS = bytes(b"[{]}a1, "[i % 8] for i in range(256))  # any byte -> a JSON-ish one
 
 
 def rejected(metrics: str, reason: str) -> float:
@@ -80,6 +84,11 @@ async def test_json_depth() -> None:
                               headers={"content-type": "application/json"})  # fmt: skip
         assert r.status_code == 400
         assert rejected((await client.get("/metrics")).text, "json_depth") == 1
+
+
+@given(body=st.binary(max_size=200).map(lambda b: b.translate(_BRACKETS)), limit=st.integers(0, 30))
+def test_opener_bound_is_the_bracket_count(body: bytes, limit: int) -> None:
+    assert _openers_exceed(body, limit) == (body.count(b"[") + body.count(b"{") > limit)
 
 
 SLOW = SimConfig(latency=LatencyModel(decode=0.02))  # 25 tokens = 0.5 s
