@@ -768,7 +768,8 @@ class FastPath:
     async def lean(self, exchange: LeanExchange) -> None:
         """``gateway.h1server``'s handler: a rollout it read, answered in one write when
         the response is complete (its headers are the gateway's own or ones its parser
-        accepted, see ``LeanExchange.respond``), else relayed through ``exchange.send``."""
+        accepted, see ``LeanExchange.respond``); a stream is relayed chunk by chunk
+        (``RelayResponse.stream_to``); while writing is paused, the ASGI way."""
         if exchange.gone:
             return
         task = exchange.task
