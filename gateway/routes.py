@@ -408,7 +408,7 @@ async def _exchange(
     """Send over aiohttp (FORWARDED), and read the body too unless it is a stream (SSE, or
     no Content-Length): a sized body is answered with one write."""
     upstream = await gw.upstream.send(
-        index, inbound.method, inbound.raw_path.decode("latin-1") or inbound.path,
+        index, inbound.method, inbound.raw_path.decode("latin-1"),
         query=inbound.query.decode("latin-1"), headers=headers, body=body,
     )  # fmt: skip
     if upstream.content_length is None or upstream.content_type == "text/event-stream":
@@ -804,10 +804,11 @@ class FastPath:
             check_key(inbound.header(b"authorization"), gw.client_keys, "API key")
             limit = gw.settings.max_body_bytes
             body = inbound.body  # already read by ``gateway.h1server``
-            if body is None:
+            if body is None:  # uvicorn's connection: read_body enforces the limit
                 assert inbound.receive is not None
                 body = await read_body(inbound.receive, inbound.header(b"content-length"), limit)
-            _check_body_size(len(body), limit)
+            else:
+                _check_body_size(len(body), limit)
             candidates, pick = plan_rollout(gw, inbound, body)
             response = await dispatch(inbound, gw, RouteKind.ROUTED, body, candidates, pick)
             return response, client
