@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.routing.config import RoutingConfig
-from gateway.routing.index import PrefixIndex
+from gateway.routing.index import _PROBE_LENGTHS, PrefixIndex, _probe_length
 from gateway.routing.prefix import PromptKey, PromptKind, prompt_key
 
 CFG = RoutingConfig(block_size=8, max_blocks=16)
@@ -147,3 +147,9 @@ def test_a_sibling_on_the_same_replica_takes_the_refresh_path() -> None:
     assert Counting.hits == 1 and idx.lookup(key, 0) == 2
     idx.observe(key, 2)
     assert Counting.hits == 2
+
+
+def test_probe_length_is_the_largest_probe_that_fits_the_tail() -> None:
+    for tail_len in range(1, 600):
+        fits = [p for p in _PROBE_LENGTHS if p <= tail_len]
+        assert _probe_length(tail_len) == max(fits)
