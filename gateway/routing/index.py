@@ -61,14 +61,19 @@ _ANCHOR = 1  # marks a node that some earlier prompt ends just after (with a tai
 _PROBE_LENGTHS = (16, 8, 4, 2, 1)
 
 
-# ``_PROBE_BY_LENGTH[n]``: the largest of _PROBE_LENGTHS <= n, for n = 1..16 (a tail is
-# never empty); a table, because a generator per observed prompt showed up in profiles.
-_PROBE_BY_LENGTH = (0, *(max(p for p in _PROBE_LENGTHS if p <= n) for n in range(1, 17)))
+_MAX_PROBE = max(_PROBE_LENGTHS)
+# ``_PROBE_BY_LENGTH[n]``: the largest of _PROBE_LENGTHS <= n, for n = 1.._MAX_PROBE (a
+# tail is never empty); a table, because a generator per observed prompt showed up in
+# profiles.
+_PROBE_BY_LENGTH = (
+    0,
+    *(max(p for p in _PROBE_LENGTHS if p <= n) for n in range(1, _MAX_PROBE + 1)),
+)
 
 
 def _probe_length(tail_len: int) -> int:
     """The largest of ``_PROBE_LENGTHS`` that fits in a tail of ``tail_len`` (>= 1) bytes."""
-    return _PROBE_BY_LENGTH[tail_len if tail_len < 16 else 16]
+    return _PROBE_BY_LENGTH[tail_len if tail_len < _MAX_PROBE else _MAX_PROBE]
 
 
 @dataclass(frozen=True, slots=True)
