@@ -32,8 +32,9 @@ from gateway.adapters.naming import NamePattern
 from gateway.adapters.state import AdapterPolicy
 from gateway.admission import Admission
 from gateway.config import ReplicaSpec, Settings
+from gateway.control import FleetControl
 from gateway.discovery import Discovery, diff_membership
-from gateway.errors import GatewayError, NotFound, UpstreamUnavailable, error_body
+from gateway.errors import GatewayError, NotFound, UpstreamTimeout, UpstreamUnavailable, error_body
 from gateway.metrics import Metrics
 from gateway.outliers import BreakerState, OutlierDetector, OutlierEvent
 from gateway.relay import ClientDisconnected
@@ -63,9 +64,14 @@ class Gateway:
     retry_budget: RetryBudget = field(init=False)
     admission: Admission = field(init=False)
     tasks: ReplicaTasks = field(default_factory=ReplicaTasks, init=False)
+    control: FleetControl = field(init=False)
+    _rejoining: dict[int, asyncio.Task[None]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         s = self.settings
+        self.control = FleetControl(self.fan_out, lambda: self.control_quorum)
+        self.adapters.on_lost = self.lose
+        self.adapters.quorum = lambda: self.control_quorum
         self.outliers = OutlierDetector(
             consecutive_errors=s.outlier_consecutive_errors,
             base_ejection_s=s.outlier_ejection_s,
@@ -88,6 +94,13 @@ class Gateway:
         """Replicas that must be up for ``/health`` to answer 200."""
         wanted = self.settings.health_min_replicas
         return len(self.pool) if wanted is None else min(wanted, len(self.pool))
+
+    @property
+    def control_quorum(self) -> int:
+        """Replicas that must apply a control call (``gateway.quorum``): the degraded
+        mode's ``health_min_replicas`` when set, else one -- a lost replica is left out."""
+        wanted = self.settings.health_min_replicas or 1
+        return max(1, min(wanted, len(self.pool)))
 
     # --- replica selection ---------------------------------------------------------
 
@@ -125,6 +138,13 @@ class Gateway:
             log.warning("replica %d (%s) ejected: %s", index, self.pool[index].display, kind)
             self._ejected(index)
 
+    def lose(self, index: int, kind: str) -> None:
+        """A control call got no answer from ``index`` (``gateway.quorum``'s "lost"):
+        eject it at once; it is reconciled before it serves again."""
+        if index in self.pool.indices() and self.pool[index].up:
+            self.on_connect_failure(index, kind)
+        self.adapters.replica_down(index)
+
     def _ejected(self, index: int) -> None:
         """The replica is out: forget its cache, abort what still waits on it."""
         self.forget_cache(index)
@@ -152,22 +172,44 @@ class Gateway:
         replicas: Sequence[int] | None = None,
     ) -> list[BufferedResponse]:
         """The same call on several replicas (default: every healthy one), concurrently.
-        A replica that cannot be reached yields a status-0 result instead of raising."""
+        A replica that gives no HTTP answer is lost (``lose``) and yields a status-0
+        result instead of raising."""
         targets = list(replicas) if replicas is not None else self.healthy_or_503()
         timeout = self.settings.broadcast_timeout_s
 
         async def one(index: int) -> BufferedResponse:
             try:
-                return await self.upstream.call(
+                return await self.call_abortable(
                     index, method, path, body=body, query=query, headers=headers, timeout=timeout
                 )
             except ReplicaConnectError as exc:
-                self.on_connect_failure(index, exc.kind)
-                return BufferedResponse(0, [], b"unreachable", index)
-            except GatewayError as exc:
-                return BufferedResponse(0, [], exc.message.encode(), index)
+                kind = exc.kind
+            except UpstreamTimeout:
+                kind = "timeout"
+            except GatewayError:
+                kind = "reset"
+            self.lose(index, kind)
+            return BufferedResponse(0, [], f"unreachable ({kind})".encode(), index)
 
         return list(await asyncio.gather(*(one(i) for i in targets)))
+
+    async def call_abortable(
+        self, index: int, method: str, path: str, **kwargs: Any
+    ) -> BufferedResponse:
+        """``upstream.call`` that ends with ``ReplicaConnectError(kind="ejected")`` as soon
+        as the health checker ejects the replica: a hung replica must not hold a control
+        call for the whole ``broadcast_timeout_s``."""
+        task = asyncio.ensure_future(self.upstream.call(index, method, path, **kwargs))
+        self.tasks.enter(index, task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if self.tasks.take(task):
+                raise ReplicaConnectError(index, "ejected") from None
+            task.cancel()
+            raise
+        finally:
+            self.tasks.leave(index, task)
 
     # --- health --------------------------------------------------------------------
 
@@ -191,6 +233,7 @@ class Gateway:
         reconcile newly healthy replicas (they get adapter traffic only once it has)."""
         indices = self.pool.indices() if only is None else list(only)
         outcomes = await asyncio.gather(*(self.probe(i) for i in indices))
+        rejoins = []
         for index, ok in zip(indices, outcomes, strict=True):
             change = self.pool.record_probe(index, ok)
             if change is Transition.EJECTED:
@@ -199,10 +242,28 @@ class Gateway:
                 log.warning("replica %d (%s) failed health checks; ejected",
                             index, self.pool[index].display)  # fmt: skip
             elif change is Transition.READY:
-                self.pool.admit(index)
-                log.info("replica %d (%s) is healthy; admitted", index, self.pool[index].display)
+                rejoins.append(self._rejoin(index))
+        if rejoins:
+            # Bounded: a control call in progress holds the fleet lock, and this round must
+            # not stall ejections behind it. The rejoin goes on in its task.
+            await asyncio.wait(rejoins, timeout=self.settings.health_timeout_s)
         if sync_adapters:
             await self.adapters.sync_replicas(self.pool.healthy_indices())
+
+    def _rejoin(self, index: int) -> asyncio.Task[None]:
+        """Admit a READY replica once it is in the fleet's pause state (one task each)."""
+        task = self._rejoining.get(index)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._admit(index))
+            self._rejoining[index] = task
+            task.add_done_callback(lambda _: self._rejoining.pop(index, None))
+        return task
+
+    async def _admit(self, index: int) -> None:
+        if not await self.control.rejoin(index):
+            return
+        self.pool.admit(index)
+        log.info("replica %d (%s) is healthy; admitted", index, self.pool[index].display)
 
     async def health_loop(self) -> None:
         while True:

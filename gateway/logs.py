@@ -17,9 +17,19 @@ from typing import Literal
 
 import orjson
 
-__all__ = ["REQUEST_ID", "JsonFormatter", "TextFormatter", "configure_logging"]
+__all__ = ["REQUEST_ID", "JsonFormatter", "TextFormatter", "configure_logging", "escape"]
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
+
+# C0 and C1 controls (CR, LF, ESC, ...), except TAB, as backslash escapes.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c != 0x09}
+_CONTROLS |= {0x0A: "\\n", 0x0D: "\\r"}
+
+
+def escape(text: str) -> str:
+    """One record, one line: a request-controlled string (an adapter name, a path) must
+    not be able to forge a log line or move the cursor of whoever tails the log."""
+    return text.translate(_CONTROLS)
 
 
 class _RequestIdFilter(logging.Filter):
@@ -34,7 +44,7 @@ class JsonFormatter(logging.Formatter):
             "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": escape(record.getMessage()),
         }
         request_id = getattr(record, "request_id", None)
         if request_id:
@@ -47,6 +57,10 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape(record.message)
+        return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)

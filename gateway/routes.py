@@ -43,7 +43,6 @@ from starlette.types import Receive, Scope, Send
 from gateway.admission import Refusal
 from gateway.errors import (
     BadRequest,
-    BroadcastFailed,
     GatewayError,
     HeadersTooLarge,
     MethodNotAllowed,
@@ -556,8 +555,8 @@ def _relay_buffered(result: BufferedResponse, request_id: str) -> Response:
 
 
 async def broadcast(request: Request) -> Response:
-    """BROADCAST: pause/resume/reset (and, until the adapter manager owns them, LoRA
-    load/unload) on every healthy replica; success only if every replica succeeded."""
+    """BROADCAST: pause/resume/reset via ``FleetControl`` and LoRA load/unload via the
+    adapter manager, both judged by ``gateway.quorum``'s rule (lost replicas left out)."""
     gw = _gateway(request)
     require_admin(request)
     body = await request_body(request, gw.settings.max_body_bytes)
@@ -571,26 +570,19 @@ async def broadcast(request: Request) -> Response:
         return Response(reply.content, status_code=reply.status, media_type=reply.media_type)
     query = request.scope.get("query_string", b"").decode("latin-1")
     headers = request_headers(request.scope["headers"], request_id)
-    results = await gw.fan_out(request.method, path, body=body or None, query=query,
-                               headers=headers)  # fmt: skip
-    failed = [r for r in results if not 200 <= r.status < 300]
     endpoint = path.rsplit("/", 1)[-1]
-    gw.metrics.broadcasts.labels(endpoint, "failed" if failed else "ok").inc()
-    if failed:
-        raise BroadcastFailed(_describe_failures(failed))
+    try:
+        first, tally = await gw.control.broadcast(
+            request.method, path, body=body or None, query=query, headers=headers
+        )
+    except GatewayError:
+        gw.metrics.broadcasts.labels(endpoint, "failed").inc()
+        raise
+    gw.metrics.broadcasts.labels(endpoint, "ok").inc()
     if path == "/reset_prefix_cache":
-        for result in results:
-            gw.forget_cache(result.replica)
-    return _relay_buffered(results[0], request_id)
-
-
-def _describe_failures(failed: Sequence[BufferedResponse]) -> str:
-    parts = []
-    for r in failed:
-        detail = r.content[:200].decode("utf-8", "replace").strip()
-        parts.append(f"replica {r.replica}: HTTP {r.status} {detail}" if r.status else
-                     f"replica {r.replica}: {detail}")  # fmt: skip
-    return "Not applied on every replica: " + "; ".join(parts)
+        for index in tally.applied:
+            gw.forget_cache(index)
+    return _relay_buffered(first, request_id)
 
 
 # --- fan-in -------------------------------------------------------------------------------

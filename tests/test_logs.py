@@ -40,3 +40,29 @@ def test_text_lines_carry_the_request_id() -> None:
     finally:
         logs.REQUEST_ID.reset(token)
     assert stream.getvalue().rstrip().endswith("boom [request_id=req-7]")
+
+
+def test_request_controlled_text_cannot_split_a_text_line() -> None:
+    """An adapter name with CR/LF (refused with 400, but logged on the way) or an ANSI
+    escape stays on its record's line, escaped."""
+    logger, stream = _handler(logs.TextFormatter())
+    logger.warning("adapter %s not loaded", "pol-v1\r\nINFO gateway: forged\x1b[2J")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1
+    assert lines[0].endswith("adapter pol-v1\\r\\nINFO gateway: forged\\x1b[2J not loaded")
+
+
+def test_json_messages_are_escaped_too() -> None:
+    logger, stream = _handler(logs.JsonFormatter())
+    logger.warning("name %s", "a\nb\x00c\td")
+    [line] = stream.getvalue().splitlines()
+    assert orjson.loads(line)["message"] == "name a\\nb\\x00c\td"
+
+
+def test_tracebacks_keep_their_lines() -> None:
+    logger, stream = _handler(logs.TextFormatter())
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        logger.exception("failed")
+    assert "Traceback (most recent call last):\n" in stream.getvalue()

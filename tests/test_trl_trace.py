@@ -63,6 +63,7 @@ async def test_trace_replay_succeeds_and_broadcasts() -> None:
             stats = c.sim(i).stats
             assert stats.loads == loads, f"replica {i} loads"
             assert stats.unloads == unloads, f"replica {i} unloads"
-            assert len(stats.pauses) == pauses and stats.resumes == pauses
+            # One more resume: the one that admitted the replica (the fleet was not paused).
+            assert len(stats.pauses) == pauses and stats.resumes == pauses + 1
         served = sum(c.sim(i).stats.requests_by_model.total() for i in range(2))
         assert served == sum(x["path"] == "/v1/completions" for x in trace)

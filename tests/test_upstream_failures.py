@@ -23,6 +23,10 @@ async def _dies_mid_stream(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b""})
         return
+    if scope["path"] == "/resume":  # the gateway resumes a replica it admits
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"status": "resumed"}'})
+        return
     if scope["path"] == "/v1/models":
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json")]})  # fmt: skip

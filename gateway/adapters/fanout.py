@@ -4,7 +4,8 @@ The thin async shell around ``state.AdapterRegistry``:
 
 * ``perform(action)`` sends one ``/v1/load_lora_adapter`` or ``/v1/unload_lora_adapter``
   through the upstream module and classifies the answer **by status code** (200 ok,
-  404 not found, other 4xx rejected, 5xx failed; transport errors unreachable). The
+  404 not found, other 4xx rejected, 5xx failed; no HTTP answer: unreachable or timed
+  out, both *lost* in ``gateway.quorum``'s sense). The
   message body is kept only as detail for error messages and logs.
 * ``Executor.submit(actions)`` runs each action in its own task: it sleeps until the
   action's ``not_before`` (mount-lag backoff decided by the core), skips it if the core
@@ -104,9 +105,9 @@ async def perform(upstream: ReplicaCaller, action: Action, timeout: float) -> Re
         response = await upstream.call(
             action.replica, "POST", path, body=orjson.dumps(payload), timeout=timeout
         )
-    except UpstreamTimeout:  # alive, but too slow: a failure the trainer must hear about
+    except UpstreamTimeout:  # hung: lost, like an unreachable replica (gateway.quorum)
         return Result(Outcome.TIMED_OUT, None, f"no answer within {timeout:g}s")
-    except GatewayError as exc:  # unreachable, reset mid-response
+    except GatewayError as exc:  # refused, reset before or during the response
         return Result(Outcome.UNREACHABLE, None, exc.message)
     return Result(classify(response.status), response.status, detail(response.content))
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -34,6 +35,7 @@ import orjson
 
 from gateway.adapters import fanout
 from gateway.adapters.state import (
+    LOST,
     Action,
     AdapterPolicy,
     AdapterRegistry,
@@ -73,10 +75,18 @@ class AdapterReply(NamedTuple):
 # ------------------------------------------------------------------ pure helpers
 
 
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
 def _require_str(body: Mapping[str, Any], key: str) -> str:
+    """A string field. Control characters are refused at once: a NUL breaks path
+    handling, a CR/LF would split log lines, and vLLM would answer either with a 404
+    that the mount-lag retry waits out for the whole deadline."""
     value = body.get(key)
     if value is not None and not isinstance(value, str):
         raise BadRequest(f"'{key}' must be a string.", param=key)
+    if value and _CONTROL_CHARS.search(value):
+        raise BadRequest(f"'{key}' must not contain control characters.", param=key)
     return value or ""
 
 
@@ -105,7 +115,11 @@ def check_path(path: str, roots: Sequence[Path]) -> None:
     candidate = Path(path)
     if not candidate.is_absolute():
         raise BadRequest("'lora_path' must be an absolute path.", param="lora_path")
-    resolved = candidate.resolve(strict=False)
+    try:
+        resolved = candidate.resolve(strict=False)
+    except (OSError, ValueError) as exc:  # a symlink loop, a name too long
+        raise BadRequest(f"'lora_path' cannot be resolved ({exc.__class__.__name__}).",
+                         param="lora_path") from None  # fmt: skip
     if not any(resolved.is_relative_to(root.resolve(strict=False)) for root in roots):
         raise BadRequest(
             f"'lora_path' {path!r} is outside the allowed adapter roots.", param="lora_path"
@@ -161,13 +175,6 @@ def _error(settled: Settlement, path: str, deadline: float, replaced: bool) -> G
             f"Loading LoRA adapter '{name}' timed out: {_replicas(failed)} still found no "
             f"adapter at {path!r} after {deadline:g}s (shared filesystem not caught up?)." + undo
         )
-    if settled.failure is Failure.TIMEOUT:
-        return UpstreamTimeout(
-            f"Loading LoRA adapter '{name}' timed out on {_replicas(failed)}: "
-            + "; ".join(f"replica {r}: {res.detail}" for r, res in settled.failures)
-            + "."
-            + undo
-        )
     reasons = "; ".join(
         f"replica {r}: " + (f"HTTP {res.status}: " if res.status else "") + res.detail
         for r, res in settled.failures
@@ -202,16 +209,27 @@ class AdapterManager:
         self._roots = tuple(adapter_roots)
         self._clock = clock
         self._on_settled = on_settled
+        self._on_action = on_action
+        self.on_lost: Callable[[int, str], None] | None = None
+        """Told when a replica gave no answer (the gateway ejects it at once)."""
+        self.quorum: Callable[[], int] = lambda: 1
+        """Replicas a load must reach (``gateway.quorum``); the gateway sets it."""
         self.executor = fanout.Executor(
             self.core,
             lambda action: fanout.perform(upstream, action, call_timeout_s),
             clock=clock,
             sleep=sleep,
-            on_result=on_action,
+            on_result=self._performed,
         )
         self._loading: set[str] = set()
         self._reconciling: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def _performed(self, action: Action, result: Result) -> None:
+        if self._on_action is not None:
+            self._on_action(action, result)
+        if result.outcome in LOST and self.on_lost is not None:
+            self.on_lost(action.replica, result.outcome.value)
 
     # ---------------------------------------------------------------- routes
 
@@ -242,6 +260,14 @@ class AdapterManager:
             self.executor.notify()
         if self._on_settled is not None:
             self._on_settled(settled)
+        if settled.ok and len(settled.replicas) < self.quorum():
+            # All or nothing: too few replicas left to call it loaded; take it back.
+            self.executor.submit(core.request_unload(name, self._clock()))
+            raise UpstreamUnavailable(
+                f"LoRA adapter '{name}' reached only {_replicas(settled.replicas)}, fewer "
+                f"than the {self.quorum()} required; unloaded again.",
+                headers={"Retry-After": "2"},
+            )
         if settled.ok:
             log.info(
                 "adapter %s live on %s in %.3fs", name, _replicas(settled.replicas), settled.seconds

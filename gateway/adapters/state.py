@@ -42,6 +42,7 @@ from gateway.adapters.naming import AdapterName, NamePattern
 __all__ = [
     "ADAPTER_TRANSITIONS",
     "COPY_TRANSITIONS",
+    "LOST",
     "REPLICA_TRANSITIONS",
     "Action",
     "AdapterPolicy",
@@ -228,8 +229,13 @@ class Outcome(StrEnum):
     NOT_FOUND = "not_found"  # load: 404 "No adapter found" (mount lag); unload: 404 = gone
     REJECTED = "rejected"  # other 4xx, e.g. 400 duplicate name without load_inplace
     FAILED = "failed"  # 5xx and anything unexpected
-    UNREACHABLE = "unreachable"  # connection failed: the replica is gone, state unknown
-    TIMED_OUT = "timed_out"  # alive but no answer in time: a failure, and state unknown
+    # No HTTP answer: the replica is *lost* (gateway.quorum), its state unknown. It is
+    # left out of the transaction and reconciled before it holds adapter traffic again.
+    UNREACHABLE = "unreachable"  # connect refused, reset before a response
+    TIMED_OUT = "timed_out"  # no answer within the call's deadline (a hung replica)
+
+
+LOST = frozenset({Outcome.UNREACHABLE, Outcome.TIMED_OUT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +256,6 @@ class ListedAdapter:
 class Failure(StrEnum):
     REJECTED = "rejected"  # a replica refused for real -> 502
     NOT_FOUND_TIMEOUT = "not_found_timeout"  # mount lag past the deadline -> 504
-    TIMEOUT = "timeout"  # a replica did not answer the load in time -> 504
     NO_REPLICAS = "no_replicas"  # nothing admitted to load onto -> 503
 
 
@@ -615,18 +620,14 @@ class AdapterRegistry:
         if op is None:
             return []
         r = action.replica
-        if result.outcome is Outcome.UNREACHABLE:
-            self.counts["replica.unreachable"] += 1
+        if result.outcome in LOST:
+            self.counts[f"replica.{result.outcome.value}"] += 1
             return self.replica_lost(r, now)
         rec = self._adapters[action.name]
         if isinstance(action, LoadOnReplica):
             actions = self._on_load(rec, action, op, result, now)
         else:
             actions = self._on_unload(rec, action, result, now)
-        if result.outcome is Outcome.TIMED_OUT and self._replicas[r].state is not ReplicaState.DOWN:
-            # It may still apply the call later: re-read what it holds before trusting it.
-            self.counts["replica.timed_out"] += 1
-            actions += self._demote(r, now)
         return actions + self._progress(rec, now) + self._sync_step(r, now) + self._due(now)
 
     # ---------------------------------------------------------- internals
@@ -692,10 +693,9 @@ class AdapterRegistry:
         if rec.state in (AdapterState.LOADING, AdapterState.REPLACING) and r in rec.targets:
             if not ok:
                 rec.failures[r] = result
-                failure = {
-                    Outcome.NOT_FOUND: Failure.NOT_FOUND_TIMEOUT,
-                    Outcome.TIMED_OUT: Failure.TIMEOUT,
-                }.get(outcome, Failure.REJECTED)
+                failure = (
+                    Failure.NOT_FOUND_TIMEOUT if outcome is Outcome.NOT_FOUND else Failure.REJECTED
+                )
                 return self._fail(rec, failure, now)
             return []
         if rec.state is AdapterState.ROLLING_BACK and r in rec.targets:

@@ -50,7 +50,7 @@ from gateway.sim.protocol import (
     UnloadLoRAAdapterRequest,
     error_response,
 )
-from gateway.sim.state import Generation, PauseMode, SimState
+from gateway.sim.state import Faults, Generation, PauseMode, SimState
 from gateway.sim.tokenizer import apply_chat_template, decode, decode_token, encode
 
 __all__ = ["SimConfig", "SimState", "create_sim_app"]
@@ -282,6 +282,10 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         clear_cache: Annotated[bool, Query()] = True,
     ) -> Response:
         chosen: PauseMode = "wait" if wait_for_inflight_requests else mode
+        fire, state.faults.pause_error = Faults.take(state.faults.pause_error)
+        if fire:  # vLLM's handler for an engine error: 500 {"error": ...}
+            message = "Failed to pause generation: simulated engine failure"
+            return _json({"error": message}, status=500)
         await state.pause(chosen, clear_cache=clear_cache)
         return _json({"status": "paused"})
 

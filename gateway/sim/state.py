@@ -64,6 +64,7 @@ class Faults:
     completion_error_delay_s: float = 0.0  # wait this long before answering the error
     completion_hang: int = 0  # completions/chat block until faults are cleared
     health_status: int = 200  # what GET /health answers
+    pause_error: int = 0  # /pause answers 500 like vLLM's engine error (and does not pause)
 
     def update(self, values: dict[str, Any]) -> None:
         """Set the given fields; unknown names or wrong types raise ``ValueError``."""

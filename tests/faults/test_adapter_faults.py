@@ -1,10 +1,12 @@
 """Fault 4: an adapter load fails on one replica, or times out there.
 
-All or nothing, proven from outside with real processes: while the load is under way and
-after it failed, a watcher keeps asking the gateway for the adapter (a completion and
-``/v1/models``) and never once sees it live; afterwards no replica holds it; the trainer
-gets an OpenAI-shaped error that names the replica and the cause (by index, never by URL);
-and the same name loads cleanly once the fault is gone.
+A replica that answers with an error fails the load; one that does not answer in time
+is lost and left out (``gateway.quorum``). All or nothing, proven from outside with
+real processes: while the load is under way and after it failed, a watcher keeps asking
+the gateway for the adapter (a completion and ``/v1/models``) and never once sees it
+live; afterwards no replica holds it; the trainer gets an OpenAI-shaped error that names
+the replica and the cause (by index, never by URL); and the same name loads cleanly once
+the fault is gone.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from tests.faults.procs import Fleet, fleet, wait_until
+from tests.faults.procs import Fleet, fleet, metric, wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -138,12 +140,11 @@ async def test_engine_error_on_one_replica_rolls_back_everywhere(f: Fleet) -> No
     assert ok.status_code == 200, ok.text
 
 
-async def test_load_timeout_on_one_replica_rolls_back_with_a_504(f: Fleet) -> None:
-    """A replica that does not answer the load within ``broadcast_timeout_s`` fails it:
-    the others are rolled back, the trainer gets a 504 naming the replica, and nobody ever
-    sees the version live. The slow replica may still apply the load late; TRL's retry of
-    the same name then reloads it in place everywhere (the core reads the 400 "already
-    loaded" as a stale view), so the fleet converges either way."""
+async def test_load_timeout_on_one_replica_is_lost_not_failed(f: Fleet) -> None:
+    """A replica that does not answer the load within ``broadcast_timeout_s`` is *lost*
+    (gateway.quorum): the trainer gets 200 at the timeout, live on the others; the slow
+    replica is ejected at once and, being alive, re-admitted by the next probe and
+    reconciled (the version replayed) before it gets the adapter's traffic."""
     late = BROADCAST_TIMEOUT_S + 1.0
     await f.faults(1, load_delay_s=late)
     watcher = Watcher(f, "slow-v1").start()
@@ -151,24 +152,23 @@ async def test_load_timeout_on_one_replica_rolls_back_with_a_504(f: Fleet) -> No
         t0 = time.monotonic()
         r = await f.load("slow-v1")
         took = time.monotonic() - t0
-        await watcher.rounds(2)
     finally:
         await watcher.stop()
-    assert r.status_code == 504, r.text
-    message = str(_error(r)["message"])
-    assert "timed out on replica 1" in message and "no answer within" in message, message
-    assert "Rolled back on replicas 0, 2" in message, message
-    assert took < late, took  # answered at the timeout, not when the replica woke up
-    assert set(watcher.completions) == {404} and not any(watcher.listed), watcher.completions
-    assert await _held_anywhere(f, "slow-v1") in ([], [1])  # 1 only if its late load landed
+    assert r.status_code == 200, r.text
+    assert BROADCAST_TIMEOUT_S <= took < late, took  # at the timeout, not at the wake-up
+    before = {status for sent, _, status in watcher.sent if sent < t0 + BROADCAST_TIMEOUT_S}
+    assert before <= {404}, watcher.sent  # not live anywhere until the slow one was lost
+    assert 1 not in await f.routable("slow-v1")
+    ejections = metric(await f.metrics(), "gateway_replica_ejections_total", replica="1")
+    assert ejections >= 1
 
-    # The trainer retries the load (TRL retries every >= 400): it goes live everywhere.
     await f.clear_faults(1)
-    await asyncio.sleep(late - took + 0.2)  # let the late load land first: the worst case
-    retry = await f.load("slow-v1")
-    assert retry.status_code == 200, retry.text
+
+    async def converged() -> bool:
+        return sorted(await f.routable("slow-v1")) == [0, 1, 2]
+
+    await wait_until(converged, 15, "the slow replica reconciled and routable again")
     assert await _held_anywhere(f, "slow-v1") == [0, 1, 2]
-    assert sorted(await f.routable("slow-v1")) == [0, 1, 2]
 
 
 async def test_mount_lag_past_the_deadline_is_504_never_404(f: Fleet) -> None:
