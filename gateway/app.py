@@ -326,6 +326,7 @@ class Gateway:
                 for r in self.pool.replicas
             ],
             "in_flight": self.admission.in_flight,
+            "paused": self.control.paused is not None,
             "routing": self.metrics.routing_counts(),
             "adapters": self.adapters.status(),
         }
@@ -426,8 +427,16 @@ def create_app(settings: Settings) -> FastPath:
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, discovery.wake)
                 hup = True
-        log.info("gateway up: %d replicas, %d healthy, router %s", len(gateway.pool),
-                 len(gateway.pool.healthy_indices()), gateway.router.name)  # fmt: skip
+        healthy = gateway.pool.healthy_indices()
+        for r in gateway.pool.replicas:
+            if r.index not in healthy:
+                log.warning("replica %d (%s) is down at start; it joins when a probe passes",
+                            r.index, r.display)  # fmt: skip
+        log.info(
+            "gateway up on http://%s:%d: %d/%d replicas healthy, router %s, max_staleness %s",
+            settings.host, settings.port, len(healthy), len(gateway.pool),
+            gateway.router.name, settings.max_staleness,
+        )  # fmt: skip
         try:
             yield
         finally:

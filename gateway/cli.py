@@ -1,10 +1,4 @@
-"""``rollout-gateway``: one entry point, one subcommand per job.
-
-    serve             run the gateway in front of N vLLM replicas
-    sim-replica       run one simulated vLLM replica (no GPU needed)
-    make-tiny-model   build the tiny local Qwen2 model + LoRA adapters (needs the [vllm] venv)
-    replicas          start/stop/inspect local replicas (real vLLM or --sim)
-    train             the companion async LoRA GRPO driver (runs in the [vllm] venv)
+"""``rollout-gateway``: one entry point, one subcommand per job (``main`` lists them).
 
 Every ``serve`` flag also reads ``GATEWAY_<NAME>`` from the environment and ``<name>`` from
 the YAML ``--config`` file (flags win, then env, then file). Secrets also come from files.
@@ -225,12 +219,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         **{name: (_delegate(mod), text) for name, (mod, text) in _DELEGATED.items()},
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(
-            __doc__ or "", file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
-        )
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        out = sys.stdout if asked else sys.stderr
+        print("usage: rollout-gateway COMMAND [options]   (COMMAND --help for its options)\n",
+              file=out)  # fmt: skip
         width = max(len(n) for n in commands)
         for name, (_, text) in commands.items():
-            print(f"  {name:<{width}}  {text}")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+            print(f"  {name:<{width}}  {text}", file=out)
+        print("\nEvery serve flag also reads GATEWAY_<NAME> and the --config YAML file.", file=out)
+        return 0 if asked else 2
     run, _ = commands[argv[0]]
     return run(argv[1:])

@@ -78,8 +78,8 @@ def test_help_documents_every_flag() -> None:
         assert flag in out, flag
     script = str(Path(PY).parent / "rollout-gateway")
     top = subprocess.run([script, "--help"], capture_output=True, text=True, check=True)
-    for command in ("serve", "sim-replica", "make-tiny-model", "replicas"):
-        assert command in top.stdout
+    listed = [line.split()[0] for line in top.stdout.splitlines() if line.startswith("  ")]
+    assert listed == ["serve", "sim-replica", "make-tiny-model", "replicas", "train"]  # once each
 
 
 def test_serve_without_replicas_fails_clearly() -> None:
@@ -119,5 +119,25 @@ def test_serve_with_env_and_secret_files(sim_replica: str, tmp_path: Path) -> No
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines, "the gateway logged nothing"
     records = [json.loads(line) for line in lines]  # every line is one JSON object
-    assert any("gateway up" in r["message"] for r in records)
+    [up] = [r["message"] for r in records if "gateway up" in r["message"]]
+    assert up.startswith(f"gateway up on http://127.0.0.1:{port}: 1/1 replicas healthy, router ")
+    assert "max_staleness" in up
     assert UPSTREAM_TOKEN not in err and CLIENT_KEY not in err
+
+
+def test_a_replica_down_at_start_is_a_warning_naming_it(sim_replica: str) -> None:
+    port, dead = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [PY, "-m", "gateway", "serve", "--port", str(port), "--replica", sim_replica,
+         "--replica", f"http://127.0.0.1:{dead}", "--log-format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait_health(f"http://127.0.0.1:{port}", status=503)  # degraded: 1 of 2 up
+    finally:
+        _, err = _stop(proc)
+    records = [json.loads(line) for line in err.splitlines() if line.strip()]
+    warnings = [r["message"] for r in records if r["level"] == "WARNING"]
+    assert f"replica 1 (http://127.0.0.1:{dead}) is down at start" in " ".join(warnings)
+    [up] = [r["message"] for r in records if "gateway up" in r["message"]]
+    assert "1/2 replicas healthy" in up
