@@ -42,7 +42,7 @@ from gateway.replicas import ReplicaPool, Transition
 from gateway.retry_budget import RetryBudget
 from gateway.routes import FastPath, build_routes, error_response
 from gateway.routing.config import RoutingConfig
-from gateway.routing.policy import PrefixAffinityRouter, Router, make_router
+from gateway.routing.policy import Router, make_router
 from gateway.upstream import BufferedResponse, ReplicaConnectError, Upstream, make_session
 
 __all__ = ["Gateway", "build_gateway", "create_app"]
@@ -156,8 +156,7 @@ class Gateway:
 
     def forget_cache(self, index: int) -> None:
         """The replica's prefix cache is gone (restart, reset): stop steering by it."""
-        if isinstance(self.router, PrefixAffinityRouter):
-            self.router.forget_replica(index)
+        self.router.forget_replica(index)
 
     # --- fan-out ---------------------------------------------------------------------
 
@@ -302,7 +301,7 @@ class Gateway:
             self.adapters.add_replica(index)
             added.append(index)
             log.info("replica %d (%s) added by discovery", index, self.pool[index].display)
-        if change and isinstance(self.router, PrefixAffinityRouter):
+        if change:
             self.router.set_members(self.pool.indices())
         return added
 
@@ -365,11 +364,10 @@ def build_gateway(settings: Settings) -> Gateway:
     )
     metrics.watch_adapters(adapters)
     router = make_router(settings.router, RoutingConfig(**settings.routing))
-    if isinstance(router, PrefixAffinityRouter):
-        # The ring spans every configured replica; unhealthy ones are skipped at lookup,
-        # so a flapping replica never reshuffles everyone else's keys.
-        router.set_members(pool.indices())
-        metrics.watch_router(router)
+    # The ring spans every configured replica; unhealthy ones are skipped at lookup, so a
+    # flapping replica never reshuffles everyone else's keys.
+    router.set_members(pool.indices())
+    metrics.watch_router(router)
     return Gateway(
         settings=settings,
         pool=pool,

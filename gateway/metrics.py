@@ -38,7 +38,7 @@ from gateway.replicas import ReplicaPool
 if TYPE_CHECKING:
     from gateway.adapters.manager import AdapterManager
     from gateway.adapters.state import Action, Result, Settlement
-    from gateway.routing.policy import Decision, PrefixAffinityRouter
+    from gateway.routing.policy import Decision, Router
 
 __all__ = ["CONTENT_TYPE", "Metrics", "RouteKind"]
 
@@ -209,11 +209,13 @@ class _AdapterCollector(Collector):
 class _RouterCollector(Collector):
     """Size of the prefix router's learned index (bounded by its configured capacity)."""
 
-    def __init__(self, router: PrefixAffinityRouter) -> None:
+    def __init__(self, router: Router) -> None:
         self._router = router
 
     def collect(self) -> Iterator[Metric]:
         stats = self._router.stats()
+        if stats is None:  # a policy with no index
+            return
         entries = GaugeMetricFamily(
             "gateway_routing_index_entries",
             "Entries in the prefix router's index, by kind.",
@@ -339,7 +341,7 @@ class Metrics:
     def watch_breakers(self, outliers: OutlierDetector) -> None:
         self.registry.register(_BreakerCollector(outliers))
 
-    def watch_router(self, router: PrefixAffinityRouter) -> None:
+    def watch_router(self, router: Router) -> None:
         self.registry.register(_RouterCollector(router))
 
     def record_decision(self, decision: Decision, seconds: float) -> None:

@@ -182,8 +182,33 @@ class Router(Protocol):
         """Learn from a decision the caller acted on (call once per routed request)."""
         ...
 
+    def set_members(self, members: Iterable[int]) -> None:
+        """The configured replicas changed (discovery); healthy or not."""
+        ...
 
-class LeastLoadedRouter:
+    def forget_replica(self, replica: int) -> int:
+        """The replica lost its KV cache (restart, reset): stop steering by it."""
+        ...
+
+    def stats(self) -> IndexStats | None:
+        """The learned index's size, for metrics; None for policies that learn nothing."""
+        ...
+
+
+class _Stateless:
+    """What a policy that keeps no per-replica state answers to membership and cache news."""
+
+    def set_members(self, members: Iterable[int]) -> None:
+        pass
+
+    def forget_replica(self, replica: int) -> int:
+        return 0
+
+    def stats(self) -> IndexStats | None:
+        return None
+
+
+class LeastLoadedRouter(_Stateless):
     """Fewest in-flight requests wins; ties go to the lowest index (deterministic)."""
 
     name = "least_loaded"
@@ -201,7 +226,7 @@ class LeastLoadedRouter:
         pass
 
 
-class RoundRobinRouter:
+class RoundRobinRouter(_Stateless):
     """``candidates[counter % n]``; ``observe`` advances the counter."""
 
     name = "round_robin"
@@ -216,7 +241,7 @@ class RoundRobinRouter:
         self._counter += 1
 
 
-class RandomRouter:
+class RandomRouter(_Stateless):
     """Uniform choice from a seeded RNG; ``observe`` draws the next number."""
 
     name = "random"

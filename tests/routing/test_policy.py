@@ -36,8 +36,7 @@ def views(loads: list[int]) -> list[ReplicaView]:
 
 def router(name: str, n: int = 4, **cfg: object) -> Router:
     r = make_router(name, RoutingConfig(**cfg))  # type: ignore[arg-type]
-    if isinstance(r, PrefixAffinityRouter):
-        r.set_members(range(n))
+    r.set_members(range(n))
     return r
 
 
@@ -182,3 +181,16 @@ def test_decision_value_semantics() -> None:
     assert Decision(1, Reason.RING) != Decision(1, Reason.RING, None, True)
     assert len({Decision(2, Reason.SPILL), Decision(2, Reason.SPILL)}) == 1
     assert "replica=2" in repr(Decision(2, Reason.SPILL))
+
+
+def test_every_policy_answers_membership_and_cache_news(any_router: Router) -> None:
+    """The interface app.py uses, with no isinstance: stateless policies learn nothing."""
+    any_router.set_members(range(3))
+    decision = any_router.choose(req(list(range(64))), views([0, 0, 0]))
+    any_router.observe(decision)
+    stats = any_router.stats()
+    if any_router.name == "prefix":
+        assert stats is not None and stats.served > 0
+        assert any_router.forget_replica(decision.replica) > 0
+    else:
+        assert stats is None and any_router.forget_replica(decision.replica) == 0

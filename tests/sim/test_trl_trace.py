@@ -12,7 +12,7 @@ import pytest
 
 from gateway.sim.testing import SimURL
 
-TRACE = Path("/work/shared/reference/trl-1.16-lora-sync-wire-trace.jsonl")
+TRACE = Path(__file__).parents[1] / "data" / "trl-1.16-lora-sync-wire-trace.jsonl"
 
 
 def _trl_sequence() -> list[dict[str, Any]]:
@@ -90,8 +90,6 @@ async def test_synthesized_trl_sequence(sim: SimURL, client: httpx.AsyncClient) 
 
 @pytest.fixture
 def recorded_calls() -> list[dict[str, Any]]:
-    if not TRACE.exists():
-        pytest.skip("shared reference trace not available")
     return [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
 
 
