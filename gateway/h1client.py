@@ -36,6 +36,12 @@ __all__ = ["BrokenResponse", "ConnectFailed", "H1Pool", "H1Response", "ResetBefo
 
 _HIGH_WATER = 1 << 20  # pause reading a stream the client consumes slower than this
 _LOW_WATER = 1 << 18
+_RACE_S = 1.0
+"""A reused connection that dies this soon after the send, before any response byte, lost
+the keep-alive race (the replica closed it as the request went out): sent once more. Later
+than that, the replica took the request and died on it; re-sending it there is wrong."""
+_MAX_HEADERS = 100  # upstream response headers, as aiohttp's limits bound them
+_MAX_HEAD_BYTES = 64 << 10
 
 
 class ConnectFailed(OSError):
@@ -195,7 +201,10 @@ class _Conn(asyncio.Protocol):
         self.until_eof = False  # neither Content-Length nor chunked: the body ends at EOF
         self.lost = False
         self.last_io = 0.0
+        self.sent_at = 0.0
         self.idle_since = 0.0
+        self.head_bytes = 0
+        self.refusal: str | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.paused = False
 
@@ -218,7 +227,8 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(BrokenResponse(f"invalid HTTP response from the replica: {exc}"))
+            reason = self.refusal or f"invalid HTTP response from the replica: {exc}"
+            self._fail(BrokenResponse(reason))
             self._abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -243,7 +253,13 @@ class _Conn(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.response is not None
-        self.response.raw_headers.append((name, value))
+        headers = self.response.raw_headers
+        headers.append((name, value))
+        self.head_bytes += len(name) + len(value)
+        if len(headers) > _MAX_HEADERS or self.head_bytes > _MAX_HEAD_BYTES:
+            # Raised inside the parser (which hides the message): data_received fails it.
+            self.refusal = f"response headers over {_MAX_HEADERS} or {_MAX_HEAD_BYTES} bytes"
+            raise ValueError(self.refusal)
 
     def on_headers_complete(self) -> None:
         response = self.response
@@ -282,11 +298,12 @@ class _Conn(asyncio.Protocol):
         response = H1Response(self)
         self.response = response
         self.received = self.complete = self.until_eof = False
+        self.head_bytes, self.refusal = 0, None
         self.headers_ready = waiter = self.loop.create_future()
         if self.lost:
             waiter.set_exception(ResetBeforeResponse("replica closed the connection"))
             return waiter
-        self.last_io = time.monotonic()
+        self.last_io = self.sent_at = time.monotonic()
         if self.timer is None:
             self._arm(self.pool.read_timeout_s)
         if len(body) < 65536:  # one segment; big bodies are not copied
@@ -392,16 +409,16 @@ class H1Pool:
         """Send ``head`` (request line + headers + blank line) and ``body``; return once
         the response headers arrived (errors: see the module docstring).
 
-        A *reused* connection that dies before any response byte was most likely closed
-        by the replica's keep-alive timeout as the request went out: the request is sent
-        once more on a new connection, instead of failing over to another replica and
-        counting a healthy one as dead."""
+        A *reused* connection that dies at once (``_RACE_S``), before any response byte,
+        was closed by the replica's keep-alive timeout as the request went out: the request
+        is sent once more on a new connection, instead of failing over to another replica
+        and counting a healthy one as dead."""
         conn, reused = await self._acquire()
         try:
             return await conn.start(head, body)
         except ResetBeforeResponse:
             conn.abandon()
-            if not reused:
+            if not reused or time.monotonic() - conn.sent_at > _RACE_S:
                 raise
         except BaseException:
             conn.abandon()

@@ -312,3 +312,48 @@ async def test_large_bodies_sized_and_streamed() -> None:
         stream.release()
         assert len(pool._idle) == 1
         pool.close()
+
+
+async def test_reused_connection_dying_later_is_a_reset_not_resent() -> None:
+    """Past the keep-alive race (the replica held the request, then died on it), the
+    request is not sent to the same replica again: the caller fails over."""
+    requests = [0]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        requests[0] += 1
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await read_request(reader)
+        requests[0] += 1
+        await asyncio.sleep(1.3)  # "generating", then the replica dies
+
+    async with server(handler) as (port, accepted):
+        pool = pool_for(port)
+        first = await pool.request(HEAD, b"{}")
+        assert await first.read() == b"ok"
+        first.release()
+        with pytest.raises(ResetBeforeResponse):
+            await pool.request(HEAD, b"{}")
+        assert pool.stale_resends == 0
+        pool.close()
+    assert accepted[0] == 1 and requests[0] == 2
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [b"".join(b"x-%d: 1\r\n" % i for i in range(101)), b"x-big: " + b"a" * (65 << 10) + b"\r\n"],
+    ids=["101 headers", "65 KiB"],
+)
+async def test_response_headers_over_the_limits_are_a_broken_response(headers: bytes) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n" + headers + b"content-length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.read()  # until the client drops the connection
+
+    async with server(handler) as (port, _):
+        pool = pool_for(port)
+        with pytest.raises(BrokenResponse, match="response headers over"):
+            await pool.request(HEAD, b"{}")
+        pool.close()
