@@ -43,7 +43,13 @@ from gateway.retry_budget import RetryBudget
 from gateway.routes import FastPath, build_routes, error_response
 from gateway.routing.config import RoutingConfig
 from gateway.routing.policy import Router, make_router
-from gateway.upstream import BufferedResponse, ReplicaConnectError, Upstream, make_session
+from gateway.upstream import (
+    BufferedResponse,
+    ReplicaConnectError,
+    Upstream,
+    make_session,
+    upstream_tls,
+)
 
 __all__ = ["Gateway", "build_gateway", "create_app"]
 
@@ -352,6 +358,7 @@ def build_gateway(settings: Settings) -> Gateway:
         connect_timeout_s=settings.connect_timeout_s,
         read_timeout_s=settings.read_timeout_s,
         max_connections=settings.max_connections,
+        tls=upstream_tls(settings),
     )
     adapters = AdapterManager(
         upstream,

@@ -146,7 +146,12 @@ class Settings(BaseSettings):
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect timeout.")
     read_timeout_s: float = Field(600.0, gt=0, description="Max gap between upstream reads.")
     broadcast_timeout_s: float = Field(120.0, gt=0, description="Per-replica fan-out timeout.")
-    max_connections: int = Field(1024, ge=1, description="Upstream connections per replica.")
+    max_connections: int = Field(
+        1024, ge=1, description="Upstream connections per replica (each client, each replica)."
+    )
+    upstream_ca_file: Path | None = Field(
+        None, description="PEM CA bundle that verifies https replicas (default: the system's)."
+    )
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="Request body limit.")
     max_header_bytes: int = Field(
         16 * 1024, ge=256, description="Total request header bytes (names + values); 431 above."
@@ -199,6 +204,13 @@ class Settings(BaseSettings):
                 return yaml.safe_load(text)
             return [part for part in (p.strip() for p in text.split(",")) if part]
         return value
+
+    @field_validator("upstream_ca_file")
+    @classmethod
+    def _ca_file_exists(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_file():
+            raise ValueError(f"upstream_ca_file {str(path)!r} is not a file")
+        return path
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -385,7 +385,7 @@ class H1Pool:
         host: str,
         port: int,
         *,
-        tls: bool = False,
+        ssl_context: ssl.SSLContext | None = None,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
         keepalive_s: float = 4.0,
@@ -394,7 +394,7 @@ class H1Pool:
         self.replica = replica
         self.host = host
         self.port = port
-        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if tls else None
+        self.ssl = ssl_context  # None: plain http
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.keepalive_s = keepalive_s

@@ -38,16 +38,20 @@ async def serve_asgi(
     port: int = 0,
     startup_timeout: float = 10.0,
     http: type[asyncio.Protocol] | None = None,
+    tls: tuple[str, str] | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``app`` until the block exits; yields its base URL. Lifespan runs as usual.
-    The gateway's app gets its lean protocol, as ``rollout-gateway serve`` gives it."""
+    The gateway's app gets its lean protocol, as ``rollout-gateway serve`` gives it.
+    ``tls``: (certificate file, key file) to serve https instead."""
     sock = listen_socket("127.0.0.1", port)
     bound = sock.getsockname()[1]
     if http is None and isinstance(app, FastPath):
         http = lean_protocol(app.lean)
+    cert, key = tls or (None, None)
     config = uvicorn.Config(
-        app, http=http or "httptools", log_config=None, access_log=False, lifespan="on", ws="none"
-    )
+        app, http=http or "httptools", log_config=None, access_log=False, lifespan="on",
+        ws="none", ssl_certfile=cert, ssl_keyfile=key,
+    )  # fmt: skip
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
@@ -57,7 +61,7 @@ async def serve_asgi(
                     task.result()
                     raise RuntimeError("server exited during start-up")
                 await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{bound}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{bound}"
     finally:
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):

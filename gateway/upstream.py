@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -113,11 +114,20 @@ class BufferedResponse:
         return next((v.decode("latin-1") for k, v in self.headers if k.lower() == key), default)
 
 
+def upstream_tls(settings: Settings) -> ssl.SSLContext:
+    """How https replicas are verified, the same for both clients: the system's CAs, or
+    ``upstream_ca_file`` (a private CA for in-cluster TLS). Hostnames are always checked."""
+    ca = settings.upstream_ca_file
+    return ssl.create_default_context(cafile=str(ca) if ca else None)
+
+
 def make_session(settings: Settings) -> aiohttp.ClientSession:
     """The shared keep-alive session every upstream call goes through (create in a loop)."""
     connector = aiohttp.TCPConnector(
-        limit=settings.max_connections, limit_per_host=0, keepalive_timeout=4, ttl_dns_cache=300
-    )
+        # ``max_connections`` per replica, as in H1Pool; no cap across replicas.
+        limit=0, limit_per_host=settings.max_connections, keepalive_timeout=4,
+        ttl_dns_cache=300, ssl=upstream_tls(settings),
+    )  # fmt: skip
     timeout = aiohttp.ClientTimeout(
         total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
     )
@@ -220,6 +230,7 @@ class Upstream:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
         max_connections: int = 1024,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.pool = pool
         self._make_session = make_session
@@ -228,6 +239,7 @@ class Upstream:
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._max_connections = max_connections
+        self._tls = tls or ssl.create_default_context()
         # replica -> (its base URL when built, pool, fixed head lines, path prefix)
         self._h1: dict[int, tuple[object, H1Pool, bytes, bytes]] = {}
 
@@ -245,7 +257,8 @@ class Upstream:
         port = url.port or (443 if tls else 80)
         host = url.host
         pool = H1Pool(
-            replica, host, port, tls=tls, connect_timeout_s=self._connect_timeout_s,
+            replica, host, port, ssl_context=self._tls if tls else None,
+            connect_timeout_s=self._connect_timeout_s,
             read_timeout_s=self._read_timeout_s, max_connections=self._max_connections,
         )  # fmt: skip
         default_port = url.port is None or port == (443 if tls else 80)
