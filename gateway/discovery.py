@@ -15,11 +15,11 @@ A source that fails (resolver error or timeout, NXDOMAIN, an empty or truncated 
 missing or unparsable file) keeps its last good answer: a DNS hiccup must never empty the
 pool. Replicas that really die are taken out of rotation by health checks anyway.
 
-The parsing, the DNS wire format and the diff are pure functions; ``Discovery`` is the thin
-async shell that resolves, reads and calls back with the desired set. ``app.py`` applies it
-through the pool (stable indices), the ring (``set_members``: only the keys of the replica
-that joined or left move) and the adapter manager (a new replica is reconciled before it
-gets adapter traffic).
+The parsing and the diff are pure functions (DNS queries go through dnspython);
+``Discovery`` is the thin async shell that resolves, reads and calls back with the desired
+set. ``app.py`` applies it through the pool (stable indices), the ring (``set_members``:
+only the keys of the replica that joined or left move) and the adapter manager (a new
+replica is reconciled before it gets adapter traffic).
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import random
 import socket
-import struct
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import dns.asyncresolver
+import dns.exception
+import dns.resolver
 import yaml
 
 from gateway.config import ReplicaSpec, Settings
@@ -44,21 +45,15 @@ __all__ = [
     "DnsError",
     "DnsTarget",
     "MembershipChange",
-    "build_query",
     "diff_membership",
     "parse_dns_target",
     "parse_hostport",
     "parse_replicas_file",
-    "parse_response",
+    "query_nameserver",
     "urls_for",
 ]
 
 log = logging.getLogger("gateway.discovery")
-
-QTYPE_A = 1
-QTYPE_AAAA = 28
-_QTYPE_OPT = 41
-_EDNS_PAYLOAD = 4096
 
 
 class DnsError(Exception):
@@ -141,120 +136,26 @@ def diff_membership(current: Mapping[str, int], desired: Sequence[ReplicaSpec]) 
     return MembershipChange(added, removed)
 
 
-# ------------------------------------------------------------- pure: DNS wire
-
-
-def _encode_name(name: str) -> bytes:
-    out = bytearray()
-    for label in name.rstrip(".").split("."):
-        raw = label.encode("idna") if label else b""
-        if not 0 < len(raw) < 64:
-            raise ValueError(f"bad DNS name {name!r}")
-        out += bytes([len(raw)]) + raw
-    return bytes(out + b"\x00")
-
-
-def build_query(name: str, qtype: int, qid: int) -> bytes:
-    """A recursive query for ``name``/``qtype`` with an EDNS0 OPT record (4096-byte UDP)."""
-    header = struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 1)  # RD; 1 question, 1 additional
-    question = _encode_name(name) + struct.pack("!HH", qtype, 1)
-    opt = b"\x00" + struct.pack("!HHIH", _QTYPE_OPT, _EDNS_PAYLOAD, 0, 0)
-    return header + question + opt
-
-
-def _skip_name(data: bytes, offset: int) -> int:
-    for _ in range(128):
-        if offset >= len(data):
-            raise DnsError("truncated name")
-        length = data[offset]
-        if length == 0:
-            return offset + 1
-        if length & 0xC0 == 0xC0:
-            return offset + 2
-        offset += 1 + length
-    raise DnsError("name too long")
-
-
-def parse_response(data: bytes, qid: int, qtype: int) -> list[str]:
-    """Addresses of type ``qtype`` in an answer to query ``qid``.
-
-    NOERROR with no such record (NODATA) is an empty list (a name with only A records has
-    no AAAA); every other outcome raises DnsError.
-    """
-    if len(data) < 12:
-        raise DnsError("short DNS message")
-    rid, flags, qdcount, ancount, _, _ = struct.unpack("!HHHHHH", data[:12])
-    if rid != qid or not flags & 0x8000:
-        raise DnsError("not an answer to our query")
-    if flags & 0x0200:
-        raise DnsError("truncated answer (TC): too many records for UDP")
-    rcode = flags & 0x000F
-    if rcode == 3:
-        raise DnsError("NXDOMAIN")
-    if rcode != 0:
-        raise DnsError(f"DNS rcode {rcode}")
-    offset = 12
-    for _ in range(qdcount):
-        offset = _skip_name(data, offset) + 4
-    out = []
-    for _ in range(ancount):
-        offset = _skip_name(data, offset)
-        if offset + 10 > len(data):
-            raise DnsError("truncated record")
-        rtype, _rclass, _ttl, rdlen = struct.unpack("!HHIH", data[offset : offset + 10])
-        offset += 10
-        rdata = bytes(data[offset : offset + rdlen])
-        offset += rdlen
-        if len(rdata) != rdlen:
-            raise DnsError("truncated record data")
-        if rtype == qtype == QTYPE_A and rdlen == 4:
-            out.append(str(ipaddress.IPv4Address(rdata)))
-        elif rtype == qtype == QTYPE_AAAA and rdlen == 16:
-            out.append(str(ipaddress.IPv6Address(rdata)))
-    return out
-
-
 # --------------------------------------------------------------- async shell
 
 
-class _Datagram(asyncio.DatagramProtocol):
-    def __init__(self) -> None:
-        self.answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-
-    def datagram_received(self, data: bytes, addr: object) -> None:
-        if not self.answer.done():
-            self.answer.set_result(data)
-
-    def error_received(self, exc: Exception) -> None:
-        if not self.answer.done():
-            self.answer.set_exception(exc)
-
-
 async def query_nameserver(
-    server: tuple[str, int], name: str, qtype: int, timeout: float
+    server: tuple[str, int], name: str, rdtype: str, timeout: float
 ) -> list[str]:
-    """One UDP query to ``server``; answers from another id are ignored until timeout."""
-    loop = asyncio.get_running_loop()
-    qid = random.randrange(1 << 16)
-    family = socket.AF_INET6 if ":" in server[0] else socket.AF_INET
-    transport, proto = await loop.create_datagram_endpoint(
-        _Datagram, remote_addr=server, family=family
-    )
+    """``name``'s ``rdtype`` (A or AAAA) records from one DNS server (dnspython: EDNS0,
+    TCP fallback for truncated answers). NOERROR without such records is an empty list
+    (a name with only A records has no AAAA); every other outcome raises DnsError."""
+    resolver = dns.asyncresolver.Resolver(configure=False)
+    resolver.nameservers = [server[0]]
+    resolver.port = server[1]
+    resolver.timeout = resolver.lifetime = timeout
     try:
-        transport.sendto(build_query(name, qtype, qid))
-        async with asyncio.timeout(timeout):
-            while True:
-                data = await proto.answer
-                try:
-                    return parse_response(data, qid, qtype)
-                except DnsError as exc:
-                    if str(exc) != "not an answer to our query":
-                        raise
-                    proto.answer = loop.create_future()
-    except (TimeoutError, OSError) as exc:
-        raise DnsError(f"no answer from {server[0]}:{server[1]}: {exc!r}") from None
-    finally:
-        transport.close()
+        answer = await resolver.resolve(name, rdtype, raise_on_no_answer=False, search=False)
+    except dns.resolver.NXDOMAIN:
+        raise DnsError(f"{name}: NXDOMAIN") from None
+    except dns.exception.DNSException as exc:
+        raise DnsError(f"no answer from {server[0]}:{server[1]} for {name}: {exc}") from None
+    return [rdata.address for rdata in answer]
 
 
 class Discovery:
@@ -294,8 +195,8 @@ class Discovery:
         if self.nameserver is not None:
             answers = await asyncio.gather(
                 *(
-                    query_nameserver(self.nameserver, target.host, qtype, self.timeout)
-                    for qtype in (QTYPE_A, QTYPE_AAAA)
+                    query_nameserver(self.nameserver, target.host, rdtype, self.timeout)
+                    for rdtype in ("A", "AAAA")
                 )
             )
             addresses = [a for found in answers for a in found]

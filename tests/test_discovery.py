@@ -1,4 +1,4 @@
-"""Replica discovery: the pure parts (specs, DNS wire format against dnslib, diff, replicas
+"""Replica discovery: the pure parts (specs, DNS queries against a dnslib zone, diff, replicas
 file), the pool's stable indices, minimal ring movement, and end to end: an in-process DNS
 server on 127.0.0.1 whose records change during a run, sim replicas on 127.0.0.2/.3, and a
 watched replicas file (change and SIGHUP)."""
@@ -22,15 +22,12 @@ import uvicorn
 from gateway.app import Gateway, create_app
 from gateway.config import ReplicaSpec, load_settings
 from gateway.discovery import (
-    QTYPE_A,
-    QTYPE_AAAA,
     DnsError,
     DnsTarget,
-    build_query,
     diff_membership,
     parse_dns_target,
     parse_replicas_file,
-    parse_response,
+    query_nameserver,
     urls_for,
 )
 from gateway.replicas import ReplicaPool
@@ -74,40 +71,21 @@ def test_urls_for_sorts_dedups_and_brackets_v6() -> None:
     ]
 
 
-def test_dns_wire_format_against_dnslib(dnslib: Any) -> None:
-    query = dnslib.DNSRecord.parse(build_query("vllm.test", QTYPE_AAAA, 4242))
-    assert query.header.id == 4242 and query.header.rd == 1
-    assert str(query.q.qname) == "vllm.test." and query.q.qtype == QTYPE_AAAA
-    assert query.ar and query.ar[0].rtype == dnslib.QTYPE.OPT  # EDNS0: big UDP answers
-
-    def answer(qtype: int, *records: Any, rcode: int = 0, tc: bool = False, qid: int = 7) -> bytes:
-        q = dnslib.DNSRecord.parse(build_query("vllm.test", qtype, qid))
-        reply = q.reply()
-        reply.header.rcode = rcode
-        reply.header.tc = int(tc)
-        for rr in records:
-            reply.add_answer(rr)
-        data: bytes = reply.pack()
-        return data
-
-    name = "vllm.test."
-    cname = dnslib.RR(name, dnslib.QTYPE.CNAME, rdata=dnslib.CNAME("pods.test."))
-    a1 = dnslib.RR("pods.test.", dnslib.QTYPE.A, rdata=dnslib.A("10.1.0.5"), ttl=5)
-    a2 = dnslib.RR("pods.test.", dnslib.QTYPE.A, rdata=dnslib.A("10.1.0.6"), ttl=5)
-    v6 = dnslib.RR(name, dnslib.QTYPE.AAAA, rdata=dnslib.AAAA("fd00::7"), ttl=5)
-    assert parse_response(answer(QTYPE_A, cname, a1, a2), 7, QTYPE_A) == ["10.1.0.5", "10.1.0.6"]
-    assert parse_response(answer(QTYPE_AAAA, v6), 7, QTYPE_AAAA) == ["fd00::7"]
-    assert parse_response(answer(QTYPE_AAAA), 7, QTYPE_AAAA) == []  # NODATA
-    for data, qid in [
-        (answer(QTYPE_A, rcode=3), 7),  # NXDOMAIN
-        (answer(QTYPE_A, rcode=2), 7),  # SERVFAIL
-        (answer(QTYPE_A, a1, tc=True), 7),  # truncated
-        (answer(QTYPE_A, a1), 8),  # someone else's answer
-        (answer(QTYPE_A, a1)[:-3], 7),  # cut short
-        (b"\x00" * 5, 7),
-    ]:
-        with pytest.raises(DnsError):
-            parse_response(data, qid, QTYPE_A)
+async def test_query_nameserver_against_a_dnslib_zone(dnslib: Any) -> None:
+    zone = Zone(dnslib)
+    zone.records["vllm.test"] = ["10.1.0.6", "10.1.0.5", "fd00::7"]
+    zone.records["v4only.test"] = ["10.1.0.9"]
+    server = ("127.0.0.1", zone.port)
+    with zone.running():
+        assert sorted(await query_nameserver(server, "vllm.test", "A", 2.0)) == [
+            "10.1.0.5", "10.1.0.6",
+        ]  # fmt: skip
+        assert await query_nameserver(server, "vllm.test", "AAAA", 2.0) == ["fd00::7"]
+        assert await query_nameserver(server, "v4only.test", "AAAA", 2.0) == []  # NODATA
+        with pytest.raises(DnsError, match="NXDOMAIN"):
+            await query_nameserver(server, "missing.test", "A", 2.0)
+    with pytest.raises(DnsError, match="no answer from"):  # the server is gone: a timeout
+        await query_nameserver(server, "vllm.test", "A", 0.3)
 
 
 def test_parse_replicas_file(tmp_path: Path) -> None:
