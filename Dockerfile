@@ -45,7 +45,7 @@ COPY gateway ./gateway
 RUN /opt/tools/bin/pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels . \
     && /opt/tools/bin/pip --python /opt/gateway/bin/python install --no-cache-dir --no-deps \
        /wheels/*.whl \
-    && cd / && /opt/gateway/bin/python -I -c "import gateway.cli, gateway.app, uvloop, httptools"
+    && /opt/gateway/bin/python -I -c "import gateway.cli, gateway.app, uvloop, httptools"
 
 # ---- runtime
 FROM ${PYTHON_IMAGE}

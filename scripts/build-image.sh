@@ -33,13 +33,15 @@ ensure_tools() {
     local missing=()
     command -v podman >/dev/null 2>&1 || missing+=(podman)
     command -v runc >/dev/null 2>&1 || missing+=(runc)
+    # catatonit: the pause process of the pods `podman kube play` makes (tests/container)
+    command -v catatonit >/dev/null 2>&1 || [[ -x /usr/libexec/podman/catatonit ]] || missing+=(catatonit)
     if [[ -z "${PYTHON_IMAGE:-}" ]]; then
         command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
     fi
     [[ ${#missing[@]} -eq 0 ]] && return 0
     if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
         die "missing ${missing[*]}: install them (Debian/Ubuntu: apt-get install podman runc" \
-            "debootstrap), or run as root on a Debian-based machine"
+            "catatonit debootstrap), or run as root on a Debian-based machine"
     fi
     log "installing ${missing[*]} with apt-get"
     export DEBIAN_FRONTEND=noninteractive
