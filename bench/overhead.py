@@ -95,7 +95,14 @@ class Fleet:
             return None
         return {FRONT_CPU} if role == "front" else {CLIENT_CPU}
 
-    def start(self, name: str, argv: list[str], role: str) -> Proc:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        role: str,
+        env: dict[str, str] | None = None,
+        cwd: Path = ROOT,
+    ) -> Proc:
         log = self.log_dir / f"{name}.log"
         fh = log.open("wb")
         popen = subprocess.Popen(
@@ -104,7 +111,8 @@ class Fleet:
             stdout=fh,
             stderr=subprocess.STDOUT,
             preexec_fn=_affinity(self.cpus(role)),
-            cwd=ROOT,
+            cwd=cwd,
+            env=env,
         )
         fh.close()
         proc = Proc(name, popen, log)
@@ -310,6 +318,16 @@ def fleet_up(
         gw = fleet.start("gateway", gw_argv, "front")
         fronts["gateway"] = f"http://127.0.0.1:{gw_port}"
         pids["gateway"] = gw.popen.pid
+        if args.baseline is not None:  # the same flags, another tree's code
+            base_port = free_port()
+            argv = [PY, "-m", "gateway", *gw_argv[1:]]
+            argv[argv.index(str(gw_port))] = str(base_port)
+            src = args.baseline.resolve()  # cwd first on sys.path: that tree's package
+            env = {**os.environ, "PYTHONPATH": str(src)}
+            base = fleet.start("gateway-before", argv, "front", env=env, cwd=src)
+            fronts["gateway-before"] = f"http://127.0.0.1:{base_port}"
+            pids["gateway-before"] = base.popen.pid
+            wait_ready(fronts["gateway-before"] + "/health", base)
 
         router = None
         started = None if args.no_router else start_vllm_router(fleet, up_urls)
@@ -352,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
         help="do not start a round expected to end later than this (seconds since start)",
     )
     parser.add_argument("--no-router", action="store_true", help="skip vllm-router")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="SRC",
+        help="also run the gateway of another checkout (e.g. a `git worktree` of an older "
+        "commit) as front 'gateway-before', same venv and flags: a before/after in one run",
+    )
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)

@@ -31,6 +31,7 @@ from gateway.adapters.manager import AdapterManager
 from gateway.adapters.naming import NamePattern
 from gateway.adapters.state import AdapterPolicy
 from gateway.admission import Admission
+from gateway.api import FastPath, build_routes, error_response
 from gateway.config import ReplicaSpec, Settings
 from gateway.control import FleetControl
 from gateway.discovery import Discovery, diff_membership
@@ -40,7 +41,6 @@ from gateway.outliers import BreakerState, OutlierDetector, OutlierEvent
 from gateway.relay import ClientDisconnected
 from gateway.replicas import ReplicaPool, Transition
 from gateway.retry_budget import RetryBudget
-from gateway.routes import FastPath, build_routes, error_response
 from gateway.routing.config import RoutingConfig
 from gateway.routing.policy import Router, make_router
 from gateway.upstream import (

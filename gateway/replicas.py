@@ -1,6 +1,6 @@
 """The replica pool: membership, health state and in-flight counts, with no I/O.
 
-The pool decides; ``app.py``'s health loop and ``routes.py`` do the I/O and report back:
+The pool decides; ``app.py``'s health loop and ``gateway/api`` do the I/O and report back:
 
 * ``record_probe(i, ok)`` after each active ``/health`` probe. ``unhealthy_threshold``
   consecutive failures eject an UP replica; ``healthy_threshold`` consecutive successes

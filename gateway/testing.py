@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Iterator
 import uvicorn
 from starlette.types import ASGIApp
 
+from gateway.api import FastPath
 from gateway.h1server import lean_protocol
-from gateway.routes import FastPath
 from gateway.serving import listen_socket
 
 __all__ = ["serve_asgi"]

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.api import FastPath
 from gateway.app import Gateway, create_app
 from gateway.config import load_settings
-from gateway.routes import FastPath
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 from gateway.sim.state import SimState

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.routes import _openers_exceed
+from gateway.api.requests import _openers_exceed
 from gateway.sim.config import SimConfig
 from gateway.sim.latency import LatencyModel
 from tests.cluster import cluster

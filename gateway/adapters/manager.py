@@ -1,4 +1,4 @@
-"""The facade ``routes.py`` and ``app.py`` call: parse, check, decide (core), execute (fanout).
+"""The facade ``gateway/api`` and ``app.py`` call: parse, check, decide (core), execute (fanout).
 
 Call sites (see docs/adapters.md, "Wiring"):
 

@@ -3,9 +3,9 @@
 A policy's ``choose`` is a pure function of (request features, candidate snapshot, what the
 policy has learned so far): no I/O, no clock, no mutation. Learning is split off into
 ``observe(decision)``, which the caller invokes right after acting on a decision (select,
-then observe; cf. h11). The caller (``routes.py``) filters candidates (healthy, holding the
-adapter), records the decision's reason in metrics and tells the pool about in-flight
-changes.
+then observe; cf. h11). The caller (``gateway/api/rollout.py``) filters candidates
+(healthy, holding the adapter), records the decision's reason in metrics and tells the
+pool about in-flight changes.
 
 Policies (``make_router(name, config)``; one name -> class map, ``ROUTERS``):
 

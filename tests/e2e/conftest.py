@@ -40,11 +40,11 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
+from gateway.api import FastPath
 from gateway.app import Gateway, create_app
 from gateway.config import load_settings
 from gateway.local import replicas as R
 from gateway.local.vllm_env import VllmNotInstalledError, check_vllm_python, find_vllm_python
-from gateway.routes import FastPath
 from gateway.testing import serve_asgi
 from trainer.payload import build_payload
 
