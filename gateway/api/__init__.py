@@ -1,0 +1,25 @@
+"""The HTTP surface: which path is ROUTED, BROADCAST, FAN-IN, FORWARDED or the gateway's own.
+
+=========================================  ==========  ==========================================
+path                                       kind        behaviour
+=========================================  ==========  ==========================================
+/v1/completions, /v1/chat/completions      ROUTED      one replica chosen by the router; body
+                                                       forwarded byte for byte; SSE relayed
+/v1/load_lora_adapter, /v1/unload_...      BROADCAST   every healthy replica, all or nothing
+/pause, /resume, /reset_prefix_cache       BROADCAST   every healthy replica
+/health                                    FAN-IN      200 only when every replica is up
+/server_info, /v1/models                   FAN-IN      merged: DP=1, weakest lora_config,
+                                                       adapters present everywhere
+anything else                              FORWARDED   one healthy replica (least loaded)
+/metrics, /gateway/status                  GATEWAY     the gateway's own
+=========================================  ==========  ==========================================
+
+Handlers parse a body at most once, ask the router for a decision, let ``upstream`` do the
+I/O and report back to the pool and metrics in ``finally``.
+"""
+
+from gateway.api.fastpath import FastPath
+from gateway.api.responses import error_response
+from gateway.api.routes import build_routes
+
+__all__ = ["FastPath", "build_routes", "error_response"]

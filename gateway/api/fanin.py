@@ -1,0 +1,97 @@
+"""FAN-IN: one answer made from every replica's (``/health``, ``/server_info``,
+``/v1/models``), describing the fleet as TRL must see it: one server, DP=1."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.auth import require_client
+from gateway.api.requests import header, request_id_for
+from gateway.api.responses import gateway_of, json_response, relay_buffered
+from gateway.errors import UpstreamUnavailable
+
+log = logging.getLogger("gateway.api")
+
+
+async def health(request: Request) -> Response:
+    """FAN-IN: 200 (empty, like vLLM) only when enough replicas are up."""
+    gw = gateway_of(request)
+    down = [r.index for r in gw.pool.replicas if not r.up]
+    up = len(gw.pool) - len(down)
+    if up >= gw.min_healthy and up > 0:
+        return Response(status_code=200)
+    raise UpstreamUnavailable(
+        f"{up}/{len(gw.pool)} replicas healthy; down: {down}", headers={"Retry-After": "2"}
+    )
+
+
+def _weakest_lora_config(configs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = dict(configs[0])
+    for key in ("max_lora_rank", "max_loras", "max_cpu_loras"):
+        values = [c[key] for c in configs if isinstance(c.get(key), int)]
+        if values:
+            merged[key] = min(values)
+    return merged
+
+
+async def server_info(request: Request) -> Response:
+    """``/server_info`` of one replica, made to describe the fleet as TRL must see it:
+    ``data_parallel_size == 1`` and the *weakest* replica's LoRA limits."""
+    gw = gateway_of(request)
+    require_client(request)
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    results = [r for r in await gw.fan_out("GET", "/server_info", query=query) if r.status == 200]
+    if not results:
+        raise UpstreamUnavailable("No healthy replica answered /server_info.")
+    try:
+        infos = [orjson.loads(r.content) for r in results]
+    except orjson.JSONDecodeError:
+        return relay_buffered(results[0], request_id_for(header(request, b"x-request-id")))
+    info = infos[0]
+    vllm_config = info.get("vllm_config") if isinstance(info, dict) else None
+    if isinstance(vllm_config, dict):
+        loras = [
+            c
+            for i in infos
+            if isinstance(c := (i.get("vllm_config") or {}).get("lora_config"), dict)
+        ]
+        if loras:
+            weakest = _weakest_lora_config(loras)
+            if any(c != loras[0] for c in loras) or len(loras) != len(infos):
+                log.warning("replicas disagree on lora_config; reporting the weakest: %s", weakest)
+            vllm_config["lora_config"] = weakest
+        parallel = vllm_config.setdefault("parallel_config", {})
+        if isinstance(parallel, dict):
+            parallel["data_parallel_size"] = 1
+    return json_response(info)
+
+
+async def models(request: Request) -> Response:
+    """``/v1/models``: the base model(s) of one replica, plus the adapters that are live on
+    every replica (the adapter manager's view, not any single replica's)."""
+    gw = gateway_of(request)
+    require_client(request)
+    results = [r for r in await gw.fan_out("GET", "/v1/models") if r.status == 200]
+    if not results:
+        raise UpstreamUnavailable("No healthy replica answered /v1/models.")
+    listing = orjson.loads(results[0].content)
+    entries = [m for m in listing.get("data", []) if isinstance(m, dict)]
+    bases = [m for m in entries if not m.get("parent")]
+    known = {m["id"]: m for m in entries if m.get("parent")}
+    parent = bases[0]["id"] if bases else None
+    live = []
+    for adapter in gw.adapters.live_adapters():
+        entry = dict(
+            known.get(adapter.name)
+            or {"id": adapter.name, "object": "model", "owned_by": "vllm", "parent": parent}
+        )
+        entry["root"] = adapter.path
+        live.append(entry)  # fmt: skip
+    listing["data"] = [*bases, *live]
+    return json_response(listing)

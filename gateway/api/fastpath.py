@@ -1,0 +1,137 @@
+"""The outer ASGI app and the lean server's handler: every rollout takes this path."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from starlette.applications import Starlette
+from starlette.datastructures import State
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.api.auth import check_key
+from gateway.api.requests import check_body_size, check_headers, read_body
+from gateway.api.responses import error_response
+from gateway.api.rollout import admit, dispatch, plan_rollout
+from gateway.api.routes import ROUTED_PATHS
+from gateway.errors import GatewayError
+from gateway.h1server import LeanExchange
+from gateway.inbound import Inbound
+from gateway.metrics import RouteKind
+from gateway.relay import ClientDisconnected, DisconnectGuard, RelayResponse
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+
+log = logging.getLogger("gateway.api")
+
+
+class FastPath:
+    """Outer ASGI app: header limits for every request, and ``POST`` to a ROUTED path
+    skips Starlette's router and middleware; ``lean`` serves the rollouts that
+    ``gateway.h1server`` read, without ASGI at all.
+
+    Rollouts are the gateway's whole load; on 2 cores the proxy's CPU per request is its
+    throughput, and the generic stack (route matching, two exception middlewares wrapping
+    every ``send``, then the ASGI scope, ``Request`` and ``Response`` objects) cost a
+    measurable share of it (``bench/overhead.py``, ``bench/cpu_per_request.py``).
+    Everything else goes to the full Starlette app. Errors are mapped exactly as its
+    handlers map them.
+    """
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+        self.gateway: Gateway = app.state.gateway
+
+    @property
+    def state(self) -> State:
+        return self.app.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] == "POST" and scope["path"] in ROUTED_PATHS:
+            response, client = await self.respond(Inbound.from_scope(scope, receive))
+            try:
+                if response is not None:
+                    await response(scope, receive, send)
+            finally:
+                if client is not None:
+                    self.gateway.admission.leave(client)
+            return
+        try:
+            check_headers(scope["headers"], self.gateway.settings)
+        except GatewayError as exc:
+            await self._refuse(exc)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def lean(self, exchange: LeanExchange) -> None:
+        """``gateway.h1server``'s handler: a rollout it read, answered in one write when
+        the response is complete (its headers are the gateway's own or ones its parser
+        accepted, see ``LeanExchange.respond``); a stream is relayed chunk by chunk
+        (``RelayResponse.stream_to``); while writing is paused, the ASGI way."""
+        if exchange.gone:
+            return
+        task = exchange.task
+        inbound = Inbound(
+            "POST", exchange.path, exchange.raw_path, b"", exchange.headers, exchange.client,
+            task, DisconnectGuard(task, lost=exchange.lost), body=exchange.body,
+        )  # fmt: skip
+        response, client = await self.respond(inbound)
+        try:
+            if response is None:
+                return
+            if isinstance(response, RelayResponse):
+                await response.stream_to(exchange)
+            elif not exchange.respond(
+                response.status_code, response.raw_headers, bytes(response.body)
+            ):
+                await response(_LEAN_SCOPE, exchange.receive, exchange.send)
+        finally:
+            if client is not None:
+                self.gateway.admission.leave(client)
+
+    async def respond(self, inbound: Inbound) -> tuple[Response | None, bytes | None]:
+        """The response to a rollout (None: the client left) and the admission key to
+        ``leave`` with once it is sent (None: refused before admission)."""
+        gw = self.gateway
+        try:
+            check_headers(inbound.headers, gw.settings)
+            client = admit(gw, inbound)
+        except GatewayError as exc:
+            return self._refuse(exc), None
+        try:
+            check_key(inbound.header(b"authorization"), gw.client_keys, "API key")
+            limit = gw.settings.max_body_bytes
+            body = inbound.body  # already read by ``gateway.h1server``
+            if body is None:  # uvicorn's connection: read_body enforces the limit
+                assert inbound.receive is not None
+                body = await read_body(inbound.receive, inbound.header(b"content-length"), limit)
+            else:
+                check_body_size(len(body), limit)
+            candidates, pick = plan_rollout(gw, inbound, body)
+            response = await dispatch(inbound, gw, RouteKind.ROUTED, body, candidates, pick)
+            return response, client
+        except ClientDisconnected:
+            return None, client
+        except GatewayError as exc:
+            return self._refuse(exc), client
+        except Exception:
+            log.exception("unhandled error on POST %s", inbound.path)
+            return error_response(GatewayError("Internal gateway error.")), client
+        except BaseException:
+            gw.admission.leave(client)
+            raise
+
+    def _refuse(self, exc: GatewayError) -> Response:
+        if exc.limit is not None:
+            self.gateway.metrics.rejected.labels(exc.limit).inc()
+        return error_response(exc)
+
+
+# What a response sent the ASGI way over a lean connection reads of its scope.
+_LEAN_SCOPE: Scope = {"type": "http"}

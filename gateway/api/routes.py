@@ -1,0 +1,74 @@
+"""The route table (Starlette): which handler serves each path, 405s with ``Allow``."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.api.auth import require_client
+from gateway.api.broadcast import broadcast
+from gateway.api.fanin import health, models, server_info
+from gateway.api.responses import gateway_of, json_response
+from gateway.api.rollout import forwarded
+from gateway.errors import MethodNotAllowed
+from gateway.metrics import CONTENT_TYPE
+
+_ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+BROADCAST_PATHS = (
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/pause",
+    "/resume",
+    "/reset_prefix_cache",
+)
+
+
+async def metrics(request: Request) -> Response:
+    gw = gateway_of(request)
+    return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def status(request: Request) -> Response:
+    gw = gateway_of(request)
+    require_client(request)
+    return json_response(gw.status())
+
+
+def _method_not_allowed(allowed: Sequence[str]) -> Callable[[Request], Awaitable[Response]]:
+    async def handler(request: Request) -> Response:
+        raise MethodNotAllowed(
+            f"Method {request.method} not allowed on {request.url.path}.",
+            headers={"Allow": ", ".join(allowed)},
+        )
+
+    return handler
+
+
+def _with_405(path: str, endpoint: Callable[[Request], Awaitable[Response]],
+              methods: Sequence[str]) -> list[BaseRoute]:  # fmt: skip
+    others = [m for m in _ALL_METHODS if m not in methods]
+    return [
+        Route(path, endpoint, methods=list(methods)),
+        Route(path, _method_not_allowed(methods), methods=others, include_in_schema=False),
+    ]
+
+
+def build_routes() -> list[BaseRoute]:
+    # POST to a ROUTED path never gets here: ``FastPath`` serves it; other methods: 405.
+    not_post = [m for m in _ALL_METHODS if m != "POST"]
+    routes: list[BaseRoute] = [
+        Route(path, _method_not_allowed(["POST"]), methods=not_post) for path in ROUTED_PATHS
+    ]
+    for path in BROADCAST_PATHS:
+        routes += _with_405(path, broadcast, ["POST"])
+    routes += _with_405("/health", health, ["GET"])
+    routes += _with_405("/server_info", server_info, ["GET"])
+    routes += _with_405("/v1/models", models, ["GET"])
+    routes += _with_405("/metrics", metrics, ["GET"])
+    routes += _with_405("/gateway/status", status, ["GET"])
+    routes.append(Route("/{path:path}", forwarded, methods=list(_ALL_METHODS)))
+    return routes
