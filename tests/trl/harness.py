@@ -33,6 +33,9 @@ REPO = Path(__file__).resolve().parents[2]
 TRL_DIR = REPO / ".run" / "trl"
 MODEL_DIR = TRL_DIR / "tiny-model"
 GATEWAY_PYTHON = REPO / ".venv" / "bin" / "python"
+# Development aid: run the gateway from another source tree (e.g. `git archive` of an older
+# commit, to see a scenario go red); default: this checkout.
+GATEWAY_SRC = Path(os.environ.get("TRL_LAYER_GATEWAY_SRC") or REPO)
 
 # One configuration for the whole layer (and bench/trl_side_by_side.py).
 MAX_STALENESS = 1  # trainer == gateway; replicas get --max-loras 3 (TRL needs S + 2)
@@ -222,14 +225,14 @@ class GatewayProcess:
         if not GATEWAY_PYTHON.exists():
             raise LayerError(f"{GATEWAY_PYTHON} missing: run `make venv` first")
         env = dict(os.environ, **self.env)
-        env["PYTHONPATH"] = str(REPO)
+        env["PYTHONPATH"] = str(GATEWAY_SRC)
         for k in ("VIRTUAL_ENV", "PYTHONHOME"):
             env.pop(k, None)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, cwd=str(REPO), start_new_session=True,
+                env=env, cwd=str(GATEWAY_SRC), start_new_session=True,
             )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
