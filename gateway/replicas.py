@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-import httpx
+from yarl import URL
 
 from gateway.config import ReplicaSpec, Settings
 
@@ -51,7 +51,7 @@ class Transition(StrEnum):
 @dataclass(slots=True)
 class Replica:
     index: int
-    base_url: httpx.URL
+    base_url: URL
     """Upstream base URL with any ``user:pass@`` removed (that goes into ``auth_header``)."""
     auth_header: str | None = field(repr=False)
     display: str
@@ -67,17 +67,15 @@ class Replica:
 
     @classmethod
     def from_spec(cls, index: int, spec: ReplicaSpec, token: str | None) -> Replica:
-        url = httpx.URL(spec.url)
+        url = URL(spec.url)
         auth: str | None = None
         if token:
             auth = f"Bearer {token}"
-        elif url.username or url.password:
-            raw = f"{url.username}:{url.password}".encode()
+        elif url.user or url.password:
+            raw = f"{url.user or ''}:{url.password or ''}".encode()
             auth = "Basic " + base64.b64encode(raw).decode("ascii")
-        bare = url.copy_with(username=None, password=None)
-        display = (
-            f"{bare.scheme}://{bare.host}:{bare.port or (443 if bare.scheme == 'https' else 80)}"
-        )
+        bare = url.with_user(None)  # drops the password too
+        display = f"{bare.scheme}://{bare.host}:{bare.port}"  # yarl: the scheme's default port
         return cls(index=index, base_url=bare, auth_header=auth, display=display)
 
     @property

@@ -255,18 +255,18 @@ class Upstream:
         url = member.base_url
         tls = url.scheme == "https"
         port = url.port or (443 if tls else 80)
-        host = url.host
+        host = url.host or ""
         pool = H1Pool(
             replica, host, port, ssl_context=self._tls if tls else None,
             connect_timeout_s=self._connect_timeout_s,
             read_timeout_s=self._read_timeout_s, max_connections=self._max_connections,
         )  # fmt: skip
-        default_port = url.port is None or port == (443 if tls else 80)
+        default_port = port == (443 if tls else 80)
         netloc = f"[{host}]" if ":" in host else host
         fixed = f"host: {netloc if default_port else f'{netloc}:{port}'}\r\n"
         if member.auth_header:
             fixed += f"authorization: {member.auth_header}\r\n"
-        prefix = url.raw_path.partition(b"?")[0].rstrip(b"/")
+        prefix = url.raw_path.rstrip("/").encode("latin-1")
         entry = self._h1[replica] = (url, pool, fixed.encode("latin-1"), prefix)
         return entry
 
