@@ -11,10 +11,7 @@ import gc
 import sys
 from collections.abc import Callable, Sequence
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import uvicorn
+from typing import Any
 
 __all__ = ["main"]
 
@@ -132,7 +129,7 @@ def serve(argv: Sequence[str]) -> int:
     from gateway.config import load_settings
     from gateway.h1server import lean_protocol
     from gateway.logs import configure_logging
-    from gateway.serving import listen_socket
+    from gateway.serving import DrainingServer, listen_socket
 
     args: dict[str, Any] = vars(_serve_parser().parse_args(argv))
     config_file = args.pop("config", None)
@@ -165,7 +162,7 @@ def serve(argv: Sequence[str]) -> int:
         log_config=None,
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
-    server = _draining_server(config)
+    server = DrainingServer(config)
     server.run(sockets=[listen_socket(settings.host, settings.port)])
     return 0 if server.started else 3
 
@@ -181,27 +178,6 @@ def _describe(exc: ValueError | OSError) -> str:
             for e in exc.errors(include_input=False, include_url=False)
         )
     return str(exc)
-
-
-def _draining_server(config: uvicorn.Config) -> uvicorn.Server:
-    import contextlib
-    from collections.abc import Iterator
-
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        """SIGTERM/SIGINT: stop accepting, drain in-flight requests for up to
-        ``shutdown_timeout_s``, then exit 0. (uvicorn re-raises the signal after its
-        graceful shutdown, so the process would die by it with status 143, which
-        orchestrators read as a crash.)"""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            with super().capture_signals():
-                yield
-                self._captured_signals.clear()
-
-    return DrainingServer(config)
 
 
 def _delegate(module: str) -> Callable[[Sequence[str]], int]:

@@ -1,4 +1,5 @@
-"""Listening sockets for our uvicorn servers, with ``TCP_NODELAY`` set.
+"""The socket layer's uvicorn glue: listening sockets with ``TCP_NODELAY``, and a server
+that exits 0 after draining on SIGTERM.
 
 uvicorn does not set ``TCP_NODELAY`` on accepted connections, and it writes a response's
 headers and body in two ``send`` calls. When the request carried no body (``POST /pause``,
@@ -10,9 +11,13 @@ option from the listening socket, so setting it here fixes every connection.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 
-__all__ = ["listen_socket"]
+import uvicorn
+
+__all__ = ["DrainingServer", "listen_socket"]
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -24,3 +29,16 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.set_inheritable(True)
     return sock
+
+
+class DrainingServer(uvicorn.Server):
+    """SIGTERM/SIGINT: stop accepting, drain in-flight requests for up to
+    ``shutdown_timeout_s``, then exit 0. (uvicorn re-raises the signal after its graceful
+    shutdown, so the process would die by it with status 143, which orchestrators read as
+    a crash.) ``_captured_signals`` is private: tests/test_uvicorn_internals.py checks it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
