@@ -58,7 +58,7 @@ def sizes(image: str) -> dict[str, Any]:
     """Image, base and added layers (bytes -> MB); the venv's largest directories."""
     meta = inspect(image)
     rows = json.loads(podman("history", "--format", "json", image).stdout)
-    layers = [
+    layers: list[dict[str, Any]] = [
         {
             "mb": _mb(r["size"]),
             "created_by": " ".join(r.get("CreatedBy", r.get("createdBy", "")).split())[:160],

@@ -60,7 +60,7 @@ def gateway_container(image: str) -> dict[str, Any]:
     """The trainer Job's rollout-gateway sidecar, as a regular container of the pod."""
     job = one(load("trainer-job.yaml"), "Job")
     init = job["spec"]["template"]["spec"]["initContainers"]
-    gw = copy.deepcopy(next(c for c in init if c["name"] == "rollout-gateway"))
+    gw: dict[str, Any] = copy.deepcopy(next(c for c in init if c["name"] == "rollout-gateway"))
     gw.pop("restartPolicy")
     gw["image"] = image
     replicas = ",".join(f"http://127.0.0.1:{p}" for p in SIM_PORTS)
@@ -83,7 +83,7 @@ def sim_container(image: str, index: int) -> dict[str, Any]:
         flag, _, value = arg.partition("=")
         if flag in SIM_FLAGS:
             args += [SIM_FLAGS[flag], value]
-    sim = copy.deepcopy(vllm)
+    sim: dict[str, Any] = copy.deepcopy(vllm)
     sim.pop("resources")
     sim.update(name=f"vllm-{index}", image=image, args=args)
     sim["ports"] = [{"name": f"http-{index}", "containerPort": port}]

@@ -18,7 +18,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.container._podman import container, inspect, logs, podman, replica_cmd, wait_http
+from tests.container._podman import (
+    RUN_FLAGS,
+    container,
+    inspect,
+    logs,
+    podman,
+    replica_cmd,
+    wait_http,
+)
 from tests.deploy._proc import free_port, process
 
 pytestmark = pytest.mark.timeout(900)
@@ -132,9 +140,7 @@ print(json.dumps({
     res = podman(
         "run",
         "--rm",
-        "--runtime",
-        "runc",
-        *_flags(),
+        *RUN_FLAGS,
         "--network=none",
         "--entrypoint",
         "python",
@@ -145,12 +151,6 @@ print(json.dumps({
     )
     found = json.loads(res.stdout.strip().splitlines()[-1])
     assert found == {"tools": [], "modules": [], "dirs": [], "serve": True}, found
-
-
-def _flags() -> list[str]:
-    from tests.container._podman import RUN_FLAGS
-
-    return RUN_FLAGS[2:]  # the rlimits (--runtime is given explicitly)
 
 
 def test_runs_as_uid_10001_on_a_read_only_root(deployment: Deployment) -> None:
@@ -272,7 +272,8 @@ def test_podman_stop_drains_a_stream_in_flight(deployment: Deployment) -> None:
     thread.join(30)
     assert "error" not in result, result
     events = result["events"]
-    assert isinstance(events, list) and events[-1] == "[DONE]", events[-3:]
+    assert isinstance(events, list), events
+    assert events[-1] == "[DONE]", events[-3:]
     assert len(events) >= 150, len(events)
     state = inspect(deployment.name)["State"]
     assert state["ExitCode"] == 0, (state, logs(deployment.name)[-3000:])
