@@ -142,6 +142,9 @@ main() {
             --tag "$tag" --file Dockerfile . >&2 || die "podman build failed"
     fi
     podman tag "$tag" "$IMAGE"
+    # One ctx- image per repository: older ones are superseded (the layer cache stays).
+    podman images --format '{{.Repository}}:{{.Tag}}' "${IMAGE%:*}" | grep ':ctx-' \
+        | grep -vxF "$tag" | xargs -r podman rmi >/dev/null 2>&1 || true
     echo "$IMAGE"
 }
 
