@@ -135,6 +135,9 @@ def build_sim_image(gateway_image: str) -> str:
             ctx,
             timeout=300,
         )
+    old = podman("images", "--format", "{{.Repository}}:{{.Tag}}", tag.split(":")[0]).stdout
+    for name in set(old.split()) - {tag}:  # superseded sim images
+        podman("rmi", name, check=False)
     return tag
 
 
