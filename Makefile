@@ -5,12 +5,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_PY := $(CURDIR)/.venv-vllm/bin/python
 
-.PHONY: help venv vllm tools lint test test-fast demo bench bench-soak bench-ceiling clean
+.PHONY: help venv vllm tools lint test test-fast test-container image demo bench bench-soak bench-ceiling clean
 
 help:
 	@echo "make test   - install everything (gateway venv + vLLM venv) and run lint + all tests"
 	@echo "make demo   - async LoRA GRPO through the gateway on 2 real vLLM replicas (~4 min)"
-	@echo "make test-fast - unit + integration tests only (no real vLLM)"
+	@echo "make test-fast - unit + integration tests only (no real vLLM, no containers)"
+	@echo "make image  - build the sidecar image as localhost/rollout-gateway:dev (podman)"
+	@echo "make test-container - build the image (cached) and test it as a container"
 	@echo "make bench  - run the benchmarks in bench/ and refresh bench/results/"
 	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
 	@echo "make bench-ceiling - max sustained req/s vs vllm-router, with a py-spy profile (<= 15 min)"
@@ -35,12 +37,19 @@ tools: venv
 	bash tests/deploy/ensure_tools.sh $(BIN)/python
 
 test-fast: venv tools
-	$(BIN)/python -m pytest -m "not e2e" -q
+	$(BIN)/python -m pytest -m "not e2e" -q --ignore=tests/container
+
+image:
+	bash scripts/build-image.sh
+
+test-container: venv
+	$(BIN)/python -m pytest tests/container -q
 
 # Three pytest runs: the fast layer, then each real-vLLM layer on its own, so that no more
 # than two vLLM replicas share the 2 cores at any time.
 test: venv vllm tools lint
-	$(BIN)/python -m pytest -m "not e2e" -q
+	$(BIN)/python -m pytest -m "not e2e" -q --ignore=tests/container
+	$(BIN)/python -m pytest tests/container -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/local -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/e2e -q
 	PYTHONPATH=$(CURDIR) $(VLLM_PY) -m pytest tests/trainer -q -p no:cacheprovider
