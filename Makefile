@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_PY := $(CURDIR)/.venv-vllm/bin/python
+# The vLLM venv runs the trainer and the TRL layer from the tree (gateway, testbed, trainer).
+VLLM_PATH := $(CURDIR):$(CURDIR)/testbed
 
 .PHONY: help venv vllm tools lint test test-fast test-container image demo bench bench-soak bench-ceiling clean
 
@@ -17,7 +19,7 @@ help:
 	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
 	@echo "make bench-ceiling - max sustained req/s vs vllm-router, with a py-spy profile (<= 15 min)"
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml testbed/pyproject.toml
 	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
 	uv venv -q --allow-existing --python $(PY) $(VENV)
 	uv pip install -q --python $(BIN)/python -e ".[dev,bench]"
@@ -29,8 +31,8 @@ vllm: venv
 	bash scripts/install-vllm.sh
 
 lint: venv
-	$(BIN)/ruff check gateway trainer tests bench
-	$(BIN)/ruff format --check gateway trainer tests bench
+	$(BIN)/ruff check gateway testbed trainer tests bench
+	$(BIN)/ruff format --check gateway testbed trainer tests bench
 	$(BIN)/mypy
 
 tools: venv
@@ -52,10 +54,10 @@ test: venv vllm tools lint
 	$(BIN)/python -m pytest tests/container -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/local -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/e2e -q
-	PYTHONPATH=$(CURDIR) $(VLLM_PY) -m pytest tests/trainer -q -p no:cacheprovider
+	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) -m pytest tests/trainer -q -p no:cacheprovider
 
 demo: venv vllm
-	$(BIN)/python -m gateway.demo
+	$(BIN)/python -m rollout_testbed.demo
 
 bench: venv
 	$(BIN)/python bench/overhead.py

@@ -24,7 +24,7 @@ Targets (issue 4): gateway-added <= 5 ms over the slowest replica; full sync p50
     .venv/bin/python bench/adapters.py --replica URL --replica URL --model-dir DIR
 
 Writes ``bench/results/adapters.json`` and ``.md`` (``--out-dir``). Replicas started here
-are stopped at the end, by process group (``gateway.local.replicas``).
+are stopped at the end, by process group (``rollout_testbed.local.replicas``).
 """
 
 from __future__ import annotations
@@ -49,12 +49,13 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rollout_testbed.local import replicas as R  # noqa: E402
+from rollout_testbed.local.vllm_env import check_vllm_python  # noqa: E402
+from rollout_testbed.serve import serve_asgi  # noqa: E402
+
 from gateway.adapters.state import Action, LoadOnReplica, Result  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.config import load_settings  # noqa: E402
-from gateway.local import replicas as R  # noqa: E402
-from gateway.local.vllm_env import check_vllm_python  # noqa: E402
-from gateway.testing import serve_asgi  # noqa: E402
 
 MODES = ("direct-1", "direct-2", "gateway", "sync-direct-2", "sync")
 DEFAULT_MODEL_DIR = ROOT / ".run" / "e2e" / "tiny-model"
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(args.model_dir)
         if not (model_dir / "adapters").is_dir():
             subprocess.run(
-                [python, str(ROOT / "gateway/local/tiny_model.py"), str(model_dir),
+                [python, str(ROOT / "testbed/rollout_testbed/local/tiny_model.py"), str(model_dir),
                  "--adapters", "12", "--force"],
                 check=True, timeout=600,
             )  # fmt: skip

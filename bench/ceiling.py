@@ -194,7 +194,7 @@ async def _serve_forever(factory: Callable[[], asyncio.Protocol], port: int) -> 
 # ---------------------------------------------------------------------------------------------
 # The stack's floor, run as `ceiling.py _passthrough --port P --replica U ...`: the smallest
 # proxy on the gateway's own stack (uvicorn + uvloop + httptools, raw ASGI, one aiohttp
-# session set up like gateway/upstream.py, round robin), with no routing, metrics, header
+# session set up like gateway/http/upstream.py, round robin), with no routing, metrics, header
 # hygiene or error handling. What it sustains bounds what any gateway on this stack can.
 
 
@@ -253,7 +253,7 @@ def passthrough_main(argv: list[str]) -> int:
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as gateway/serving.py
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as gateway/http/serving.py
     sock.bind(("127.0.0.1", args.port))
     config = uvicorn.Config(
         app, loop="uvloop", http="httptools", access_log=False, log_level="warning"
@@ -265,7 +265,7 @@ def passthrough_main(argv: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------
 # Python's floor, run as `ceiling.py _floor --port P --replica U ...`: no ASGI server at all.
 # A bare asyncio protocol parses requests with httptools and answers each in one write, and
-# the gateway's own upstream client (gateway/h1client.py) forwards them round robin. There is
+# the gateway's own upstream client (gateway/http/h1client.py) forwards them round robin. There is
 # no routing, hygiene, limit, metric or error mapping: what it sustains bounds what any
 # Python proxy on uvloop + httptools can on one core.
 
@@ -338,7 +338,7 @@ def floor_main(argv: list[str]) -> int:
 
     import uvloop
 
-    from gateway.h1client import H1Pool
+    from gateway.http.h1client import H1Pool
 
     parser = argparse.ArgumentParser(prog="ceiling.py _floor")
     parser.add_argument("--port", type=int, required=True)

@@ -2,7 +2,7 @@
 
 Usage: ``python bench/routing.py [--quick] [--out bench/results]``
 
-Each replica is a ``gateway.sim.prefix_cache.BlockPrefixCache`` (block 32, 4096 blocks) with
+Each replica is a ``rollout_testbed.sim.prefix_cache.BlockPrefixCache`` (block 32, 4096 blocks) with
 an in-flight count; service time grows with uncached prompt tokens, generated tokens and the
 replica's own in-flight load, so bounded load matters. A TRL-like client keeps ``slots``
 groups in flight; a group is G=8 trajectories sent back to back (single-turn: one request
@@ -57,6 +57,8 @@ from xxhash import xxh3_64_intdigest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rollout_testbed.sim.prefix_cache import BlockPrefixCache
+
 from gateway.routing.policy import (
     CandidateLoads,
     Decision,
@@ -66,7 +68,6 @@ from gateway.routing.policy import (
     RouteRequest,
     make_router,
 )
-from gateway.sim.prefix_cache import BlockPrefixCache
 
 G = 8
 MODEL = "trl-policy-v3"

@@ -3,7 +3,7 @@
 Usage: ``python bench/routing_vllm.py [--out bench/results] [--vllm-python PATH]``
 
 One run, side by side, every front against the same two replicas (started here with
-``gateway.local.replicas.start_replicas`` and always stopped by PID at the end):
+``rollout_testbed.local.replicas.start_replicas`` and always stopped by PID at the end):
 
 * ``oracle``: everything sent to replica 0 directly (one replica alone);
 * ``gateway``: ``rollout-gateway serve --router prefix`` (ours);
@@ -43,12 +43,13 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.local.replicas import (  # noqa: E402
+from rollout_testbed.local.replicas import (  # noqa: E402
     ReplicaSet,
     free_ports,
     start_replicas,
     stop_replicas,
 )
+
 from trainer.payload import build_payload  # noqa: E402
 
 PROMPTS = 32
@@ -58,7 +59,7 @@ WARMUP = 96
 MAX_TOKENS = 16
 VOCAB = 2048  # the tiny model's vocabulary
 SYSTEM_TOKENS = 100
-BLOCK = 32  # vLLM block size set by gateway.local.replicas
+BLOCK = 32  # vLLM block size set by rollout_testbed.local.replicas
 SGLANG_PYTHON = "/tmp/sgl/bin/python"
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 

@@ -1,6 +1,6 @@
 """Load and soak: a sustained TRL-shaped mix through the gateway, then replica kills.
 
-Starts ``--replicas`` (3) ``rollout-gateway sim-replica`` processes with a realistic latency
+Starts ``--replicas`` (3) ``rollout-testbed sim-replica`` processes with a realistic latency
 model and one ``rollout-gateway serve`` in front of them (health probe every second), loads
 one LoRA adapter through the gateway, then drives a closed loop of ``--concurrency`` (200)
 keep-alive connections for ``--minutes`` (steady phase, the first ``--warmup-minutes`` of it

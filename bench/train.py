@@ -25,9 +25,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gateway.demo import run_trainer, start_gateway, stop_process, trainer_args  # noqa: E402
-from gateway.local.replicas import free_ports, start_replicas, stop_replicas  # noqa: E402
-from gateway.local.vllm_env import check_vllm_python  # noqa: E402
+from rollout_testbed.demo import run_trainer, start_gateway, stop_process, trainer_args  # noqa: E402
+from rollout_testbed.local.replicas import free_ports, start_replicas, stop_replicas  # noqa: E402
+from rollout_testbed.local.vllm_env import check_vllm_python  # noqa: E402
+
 from trainer.report import plot_curves, read_jsonl  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"

@@ -26,30 +26,30 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import __version__
-from gateway.aborts import ReplicaTasks
 from gateway.adapters.manager import AdapterManager
 from gateway.adapters.naming import NamePattern
 from gateway.adapters.state import AdapterPolicy
-from gateway.admission import Admission
 from gateway.api import FastPath, build_routes, error_response
 from gateway.config import ReplicaSpec, Settings
-from gateway.control import FleetControl
-from gateway.discovery import Discovery, diff_membership
 from gateway.errors import GatewayError, NotFound, UpstreamTimeout, UpstreamUnavailable, error_body
-from gateway.metrics import Metrics
-from gateway.outliers import BreakerState, OutlierDetector, OutlierEvent
-from gateway.relay import ClientDisconnected
-from gateway.replicas import ReplicaPool, Transition
-from gateway.retry_budget import RetryBudget
-from gateway.routing.config import RoutingConfig
-from gateway.routing.policy import Router, make_router
-from gateway.upstream import (
+from gateway.fleet.aborts import ReplicaTasks
+from gateway.fleet.admission import Admission
+from gateway.fleet.control import FleetControl
+from gateway.fleet.discovery import Discovery, diff_membership
+from gateway.fleet.outliers import BreakerState, OutlierDetector, OutlierEvent
+from gateway.fleet.replicas import ReplicaPool, Transition
+from gateway.fleet.retry_budget import RetryBudget
+from gateway.http.relay import ClientDisconnected
+from gateway.http.upstream import (
     BufferedResponse,
     ReplicaConnectError,
     Upstream,
     make_session,
     upstream_tls,
 )
+from gateway.metrics import Metrics
+from gateway.routing.config import RoutingConfig
+from gateway.routing.policy import Router, make_router
 
 __all__ = ["Gateway", "build_gateway", "create_app"]
 
@@ -103,7 +103,7 @@ class Gateway:
 
     @property
     def control_quorum(self) -> int:
-        """Replicas that must apply a control call (``gateway.quorum``): the degraded
+        """Replicas that must apply a control call (``gateway.fleet.quorum``): the degraded
         mode's ``health_min_replicas`` when set, else one -- a lost replica is left out."""
         wanted = self.settings.health_min_replicas or 1
         return max(1, min(wanted, len(self.pool)))
@@ -145,7 +145,7 @@ class Gateway:
             self._ejected(index)
 
     def lose(self, index: int, kind: str) -> None:
-        """A control call got no answer from ``index`` (``gateway.quorum``'s "lost"):
+        """A control call got no answer from ``index`` (``gateway.fleet.quorum``'s "lost"):
         eject it at once; it is reconciled before it serves again."""
         if index in self.pool.indices() and self.pool[index].up:
             self.on_connect_failure(index, kind)

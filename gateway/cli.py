@@ -10,17 +10,17 @@ import argparse
 import gc
 import sys
 from collections.abc import Callable, Sequence
-from importlib import import_module
 from typing import Any
 
 __all__ = ["main"]
 
-# Subcommands implemented elsewhere: name -> (module, help). Each module has main(argv).
-_DELEGATED: dict[str, tuple[str, str]] = {
-    "sim-replica": ("gateway.sim.server", "run a simulated vLLM replica"),
-    "make-tiny-model": ("gateway.local.tiny_model", "build the tiny local model and adapters"),
-    "replicas": ("gateway.local.replicas", "start/stop/inspect local vLLM (or sim) replicas"),
-    "train": ("trainer.cli", "run the companion async LoRA GRPO driver (docs/trainer.md)"),
+# Subcommands that live in the rollout-testbed distribution since the sidecar stopped
+# shipping them: name -> what to run instead.
+_MOVED = {
+    "sim-replica": "rollout-testbed sim-replica",
+    "make-tiny-model": "rollout-testbed make-tiny-model",
+    "replicas": "rollout-testbed replicas",
+    "train": "python -m trainer",
 }
 
 _SERVE_EPILOG = """\
@@ -127,9 +127,9 @@ def serve(argv: Sequence[str]) -> int:
 
     from gateway.app import create_app
     from gateway.config import load_settings
-    from gateway.h1server import lean_protocol
+    from gateway.http.h1server import lean_protocol
+    from gateway.http.serving import DrainingServer, listen_socket
     from gateway.logs import configure_logging
-    from gateway.serving import DrainingServer, listen_socket
 
     args: dict[str, Any] = vars(_serve_parser().parse_args(argv))
     config_file = args.pop("config", None)
@@ -180,20 +180,15 @@ def _describe(exc: ValueError | OSError) -> str:
     return str(exc)
 
 
-def _delegate(module: str) -> Callable[[Sequence[str]], int]:
-    def run(argv: Sequence[str]) -> int:
-        entry: Callable[[list[str]], int | None] = import_module(module).main
-        return entry(list(argv)) or 0
-
-    return run
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
         "serve": (serve, "run the gateway in front of N vLLM replicas"),
-        **{name: (_delegate(mod), text) for name, (mod, text) in _DELEGATED.items()},
     }
+    if argv and argv[0] in _MOVED:
+        print(f"rollout-gateway {argv[0]}: moved to `{_MOVED[argv[0]]}` (the rollout-testbed "
+              "package: pip install ./testbed, or make venv)", file=sys.stderr)  # fmt: skip
+        return 2
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         asked = bool(argv) and argv[0] in ("-h", "--help")
         out = sys.stdout if asked else sys.stderr
@@ -203,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, (_, text) in commands.items():
             print(f"  {name:<{width}}  {text}", file=out)
         print("\nEvery serve flag also reads GATEWAY_<NAME> and the --config YAML file.", file=out)
+        print("Simulated and local replicas, the demo: rollout-testbed --help.", file=out)
         return 0 if asked else 2
     run, _ = commands[argv[0]]
     return run(argv[1:])

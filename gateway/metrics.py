@@ -32,8 +32,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from gateway.outliers import OutlierDetector
-from gateway.replicas import ReplicaPool
+from gateway.fleet.outliers import OutlierDetector
+from gateway.fleet.replicas import ReplicaPool
 
 if TYPE_CHECKING:
     from gateway.adapters.manager import AdapterManager

@@ -106,9 +106,8 @@ context_hash() {
     {
         echo "$base_id"
         sha256sum Dockerfile .dockerignore pyproject.toml README.md deploy/image/*.txt
-        find gateway -type f ! -path '*/__pycache__/*' ! -name '*.pyc' \
-            ! -path 'gateway/sim/*' ! -path 'gateway/local/*' \
-            ! -name demo.py ! -name testing.py -print0 | sort -z | xargs -0 sha256sum
+        find gateway -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 \
+            | sort -z | xargs -0 sha256sum
     } | sha256sum | cut -c1-16
 }
 

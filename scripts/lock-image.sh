@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${1:-.venv/bin/python}
-# fastapi: only the simulated replica (gateway/sim) uses it; the gateway is Starlette.
+# fastapi: only the simulated replica (testbed/rollout_testbed/sim) uses it; the gateway is Starlette.
 IMAGE_EXCLUDES=${IMAGE_EXCLUDES:-fastapi}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

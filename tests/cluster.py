@@ -7,13 +7,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_testbed.serve import serve_asgi
+from rollout_testbed.sim.app import create_sim_app
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.state import SimState
+
 from gateway.api import FastPath
 from gateway.app import Gateway, create_app
 from gateway.config import load_settings
-from gateway.sim.app import create_sim_app
-from gateway.sim.config import SimConfig
-from gateway.sim.state import SimState
-from gateway.testing import serve_asgi
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.admission import Admission, Refusal
+from gateway.fleet.admission import Admission, Refusal
 
 
 def test_global_cap() -> None:

@@ -53,7 +53,7 @@ def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
 def sim_replica() -> Iterator[str]:
     port = _free_port()
     proc = subprocess.Popen(
-        [PY, "-m", "gateway", "sim-replica", "--port", str(port)],
+        [PY, "-m", "rollout_testbed", "sim-replica", "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -79,7 +79,18 @@ def test_help_documents_every_flag() -> None:
     script = str(Path(PY).parent / "rollout-gateway")
     top = subprocess.run([script, "--help"], capture_output=True, text=True, check=True)
     listed = [line.split()[0] for line in top.stdout.splitlines() if line.startswith("  ")]
-    assert listed == ["serve", "sim-replica", "make-tiny-model", "replicas", "train"]  # once each
+    assert listed == ["serve"]  # the sidecar runs one thing
+    testbed = str(Path(PY).parent / "rollout-testbed")
+    top = subprocess.run([testbed, "--help"], capture_output=True, text=True, check=True)
+    listed = [line.split()[0] for line in top.stdout.splitlines() if line.startswith("  ")]
+    assert listed == ["sim-replica", "make-tiny-model", "replicas", "demo"]  # once each
+
+
+@pytest.mark.parametrize("command", ["sim-replica", "make-tiny-model", "replicas", "train"])
+def test_moved_subcommands_say_where_they_went(command: str) -> None:
+    r = subprocess.run([PY, "-m", "gateway", command], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "moved to" in r.stderr and ("rollout-testbed" in r.stderr or "trainer" in r.stderr)
 
 
 def test_serve_without_replicas_fails_clearly() -> None:

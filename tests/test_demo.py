@@ -1,4 +1,4 @@
-from gateway.demo import main, trainer_args
+from rollout_testbed.demo import main, trainer_args
 
 
 def test_demo_sim_mode_runs_clean() -> None:

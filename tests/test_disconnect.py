@@ -6,9 +6,9 @@ import asyncio
 
 import httpx
 import pytest
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.latency import LatencyModel
 
-from gateway.sim.config import SimConfig
-from gateway.sim.latency import LatencyModel
 from tests.cluster import Cluster, cluster
 
 SLOW = SimConfig(latency=LatencyModel(decode=0.05))  # 200 tokens = 10 s if not cancelled

@@ -18,10 +18,12 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from rollout_testbed.serve import serve_asgi
+from rollout_testbed.sim.app import create_sim_app
 
 from gateway.app import Gateway, create_app
 from gateway.config import ReplicaSpec, load_settings
-from gateway.discovery import (
+from gateway.fleet.discovery import (
     DnsError,
     DnsTarget,
     diff_membership,
@@ -30,10 +32,8 @@ from gateway.discovery import (
     query_nameserver,
     urls_for,
 )
-from gateway.replicas import ReplicaPool
+from gateway.fleet.replicas import ReplicaPool
 from gateway.routing.policy import PrefixAffinityRouter
-from gateway.sim.app import create_sim_app
-from gateway.testing import serve_asgi
 from tests.deploy.tools import ensure_tools
 
 # The first test to need promtool/hadolint/... may install them (ensure_tools.sh).
@@ -384,7 +384,7 @@ async def test_replicas_file_reload_on_change_and_on_sighup(tmp_path: Path) -> N
 
 async def test_system_resolver_path_resolves_localhost() -> None:
     """Without discovery_nameserver, getaddrinfo is used (search domains, /etc/hosts)."""
-    from gateway.discovery import Discovery
+    from gateway.fleet.discovery import Discovery
 
     async def ignore(_: list[ReplicaSpec]) -> None:
         return None

@@ -1,4 +1,4 @@
-"""``gateway.h1client`` against a scripted raw-socket server: framing, keep-alive reuse,
+"""``gateway.http.h1client`` against a scripted raw-socket server: framing, keep-alive reuse,
 and the error contract (what is retryable, what is a mid-response failure)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from gateway.h1client import BrokenResponse, ConnectFailed, H1Pool, ResetBeforeResponse
+from gateway.http.h1client import BrokenResponse, ConnectFailed, H1Pool, ResetBeforeResponse
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n"

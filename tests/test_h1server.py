@@ -1,4 +1,4 @@
-"""``gateway.h1server`` over raw sockets in front of a real gateway and sim replicas: the
+"""``gateway.http.h1server`` over raw sockets in front of a real gateway and sim replicas: the
 lean rollout path, the hand-off to uvicorn, framing, keep-alive and refusals."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 
 import httptools
 import pytest
+from rollout_testbed.serve import serve_asgi
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway import h1server
-from gateway.h1server import LeanExchange, lean_protocol
-from gateway.testing import serve_asgi
+from gateway.http import h1server
+from gateway.http.h1server import LeanExchange, lean_protocol
 from tests.cluster import Cluster, cluster
 
 BODY = json.dumps({"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 2}).encode()

@@ -9,10 +9,10 @@ import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.latency import LatencyModel
 
 from gateway.api.requests import _openers_exceed
-from gateway.sim.config import SimConfig
-from gateway.sim.latency import LatencyModel
 from tests.cluster import cluster
 
 BODY = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 4}

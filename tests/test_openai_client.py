@@ -6,9 +6,9 @@ import time
 
 import openai
 import pytest
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.latency import LatencyModel
 
-from gateway.sim.config import SimConfig
-from gateway.sim.latency import LatencyModel
 from tests.cluster import cluster
 from tests.conftest import CLIENT_KEY
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.outliers import BreakerState, OutlierDetector, OutlierEvent, is_failure
+from gateway.fleet.outliers import BreakerState, OutlierDetector, OutlierEvent, is_failure
 
 
 def detector(**kw: float) -> OutlierDetector:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.quorum import Reply, Verdict, judge, reply_for
+from gateway.fleet.quorum import Reply, Verdict, judge, reply_for
 
 A, R, L = Reply.APPLIED, Reply.REFUSED, Reply.LOST
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.relay import ClientDisconnected, DisconnectGuard
+from gateway.http.relay import ClientDisconnected, DisconnectGuard
 
 
 def _current() -> asyncio.Task[Any]:

@@ -6,10 +6,10 @@ import asyncio
 import time
 
 import httpx
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.latency import LatencyModel
 
-from gateway.outliers import BreakerState
-from gateway.sim.config import SimConfig
-from gateway.sim.latency import LatencyModel
+from gateway.fleet.outliers import BreakerState
 from tests.cluster import Cluster, cluster
 
 BODY = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 4}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.retry_budget import RetryBudget
+from gateway.fleet.retry_budget import RetryBudget
 
 
 def spend(budget: RetryBudget, now: float, limit: int = 10_000) -> int:

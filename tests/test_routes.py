@@ -8,10 +8,10 @@ import time
 import httpx
 import orjson
 import pytest
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.latency import LatencyModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.sim.config import SimConfig
-from gateway.sim.latency import LatencyModel
 from tests.cluster import cluster
 from tests.conftest import ADMIN_KEY, CLIENT_KEY, UPSTREAM_TOKEN
 
@@ -193,10 +193,11 @@ class _HeaderRecorder:
 
 
 async def test_auth_header_is_replaced_by_upstream_token() -> None:
+    from rollout_testbed.serve import serve_asgi
+    from rollout_testbed.sim.app import create_sim_app
+
     from gateway.app import create_app
     from gateway.config import load_settings
-    from gateway.sim.app import create_sim_app
-    from gateway.testing import serve_asgi
 
     recorder = _HeaderRecorder(create_sim_app())
     async with serve_asgi(recorder) as sim_url:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+from rollout_testbed.serve import serve_asgi
 from starlette.types import Receive, Scope, Send
 
 from gateway.app import create_app
 from gateway.config import load_settings
-from gateway.testing import serve_asgi
 
 
 async def _dies_mid_stream(scope: Scope, receive: Receive, send: Send) -> None:

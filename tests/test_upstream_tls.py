@@ -9,12 +9,12 @@ from pathlib import Path
 import httpx
 import pytest
 import trustme
+from rollout_testbed.serve import serve_asgi
+from rollout_testbed.sim.app import create_sim_app
+from rollout_testbed.sim.config import SimConfig
 
 from gateway.app import create_app
 from gateway.config import load_settings
-from gateway.sim.app import create_sim_app
-from gateway.sim.config import SimConfig
-from gateway.testing import serve_asgi
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The private uvicorn names the socket layer relies on, checked loudly.
 
-``gateway/h1server.py`` (the lean rollout protocol) reuses uvicorn's header validators,
+``gateway/http/h1server.py`` (the lean rollout protocol) reuses uvicorn's header validators,
 status lines and ``HttpToolsProtocol`` (it hands odd connections over to it), and
 ``gateway/cli.py`` clears ``Server._captured_signals`` so SIGTERM exits 0. None of these
 are public API, so ``pyproject.toml`` pins uvicorn to the minor range tested here, and

@@ -1,4 +1,4 @@
-"""``python -m trainer`` / ``rollout-gateway train``: parse flags, run, print the summary.
+"""``python -m trainer`` / ``python -m trainer``: parse flags, run, print the summary.
 
 Standard library only at import time. Run from an interpreter without torch (the
 gateway's own venv), it re-runs itself with the vLLM venv's python (``$GATEWAY_VLLM_PYTHON``

@@ -120,7 +120,7 @@ def sim_gateway(
     try:
         for i in range(n):
             port = free_port()
-            cmd = [gateway_python(), "-m", "gateway", "sim-replica", "--port", str(port),
+            cmd = [gateway_python(), "-m", "rollout_testbed", "sim-replica", "--port", str(port),
                    "--max-loras", str(max_staleness + 2), "--latency-model", latency]  # fmt: skip
             procs.append(launch(cmd, f"http://127.0.0.1:{port}", log_dir / f"sim-{i}.log"))
         wait_healthy(procs)

@@ -5,7 +5,7 @@ The thin async shell around ``state.AdapterRegistry``:
 * ``perform(action)`` sends one ``/v1/load_lora_adapter`` or ``/v1/unload_lora_adapter``
   through the upstream module and classifies the answer **by status code** (200 ok,
   404 not found, other 4xx rejected, 5xx failed; no HTTP answer: unreachable or timed
-  out, both *lost* in ``gateway.quorum``'s sense). The
+  out, both *lost* in ``gateway.fleet.quorum``'s sense). The
   message body is kept only as detail for error messages and logs.
 * ``Executor.submit(actions)`` runs each action in its own task: it sleeps until the
   action's ``not_before`` (mount-lag backoff decided by the core), skips it if the core
@@ -52,7 +52,7 @@ class ResponseLike(Protocol):
 
 
 class ReplicaCaller(Protocol):
-    """The part of ``gateway.upstream.Upstream`` this package uses."""
+    """The part of ``gateway.http.upstream.Upstream`` this package uses."""
 
     async def call(
         self,
@@ -105,7 +105,7 @@ async def perform(upstream: ReplicaCaller, action: Action, timeout: float) -> Re
         response = await upstream.call(
             action.replica, "POST", path, body=orjson.dumps(payload), timeout=timeout
         )
-    except UpstreamTimeout:  # hung: lost, like an unreachable replica (gateway.quorum)
+    except UpstreamTimeout:  # hung: lost, like an unreachable replica (gateway.fleet.quorum)
         return Result(Outcome.TIMED_OUT, None, f"no answer within {timeout:g}s")
     except GatewayError as exc:  # refused, reset before or during the response
         return Result(Outcome.UNREACHABLE, None, exc.message)

@@ -213,7 +213,7 @@ class AdapterManager:
         self.on_lost: Callable[[int, str], None] | None = None
         """Told when a replica gave no answer (the gateway ejects it at once)."""
         self.quorum: Callable[[], int] = lambda: 1
-        """Replicas a load must reach (``gateway.quorum``); the gateway sets it."""
+        """Replicas a load must reach (``gateway.fleet.quorum``); the gateway sets it."""
         self.executor = fanout.Executor(
             self.core,
             lambda action: fanout.perform(upstream, action, call_timeout_s),

@@ -229,7 +229,7 @@ class Outcome(StrEnum):
     NOT_FOUND = "not_found"  # load: 404 "No adapter found" (mount lag); unload: 404 = gone
     REJECTED = "rejected"  # other 4xx, e.g. 400 duplicate name without load_inplace
     FAILED = "failed"  # 5xx and anything unexpected
-    # No HTTP answer: the replica is *lost* (gateway.quorum), its state unknown. It is
+    # No HTTP answer: the replica is *lost* (gateway.fleet.quorum), its state unknown. It is
     # left out of the transaction and reconciled before it holds adapter traffic again.
     UNREACHABLE = "unreachable"  # connect refused, reset before a response
     TIMED_OUT = "timed_out"  # no answer within the call's deadline (a hung replica)

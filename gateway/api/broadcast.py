@@ -1,4 +1,4 @@
-"""BROADCAST: the control calls every replica must apply (``gateway.quorum``'s rule)."""
+"""BROADCAST: the control calls every replica must apply (``gateway.fleet.quorum``'s rule)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from gateway.api.auth import require_admin
 from gateway.api.requests import header, parse_json_object, request_body, request_id_for
 from gateway.api.responses import gateway_of, relay_buffered
 from gateway.errors import GatewayError
-from gateway.upstream import request_headers
+from gateway.http.upstream import request_headers
 
 _ADAPTER_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 async def broadcast(request: Request) -> Response:
     """BROADCAST: pause/resume/reset via ``FleetControl`` and LoRA load/unload via the
-    adapter manager, both judged by ``gateway.quorum``'s rule (lost replicas left out)."""
+    adapter manager, both judged by ``gateway.fleet.quorum``'s rule (lost replicas left out)."""
     gw = gateway_of(request)
     require_admin(request)
     body = await request_body(request, gw.settings.max_body_bytes)

@@ -16,10 +16,10 @@ from gateway.api.responses import error_response
 from gateway.api.rollout import admit, dispatch, plan_rollout
 from gateway.api.routes import ROUTED_PATHS
 from gateway.errors import GatewayError
-from gateway.h1server import LeanExchange
-from gateway.inbound import Inbound
+from gateway.http.h1server import LeanExchange
+from gateway.http.inbound import Inbound
+from gateway.http.relay import ClientDisconnected, DisconnectGuard, RelayResponse
 from gateway.metrics import RouteKind
-from gateway.relay import ClientDisconnected, DisconnectGuard, RelayResponse
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -31,7 +31,7 @@ log = logging.getLogger("gateway.api")
 class FastPath:
     """Outer ASGI app: header limits for every request, and ``POST`` to a ROUTED path
     skips Starlette's router and middleware; ``lean`` serves the rollouts that
-    ``gateway.h1server`` read, without ASGI at all.
+    ``gateway.http.h1server`` read, without ASGI at all.
 
     Rollouts are the gateway's whole load; on 2 cores the proxy's CPU per request is its
     throughput, and the generic stack (route matching, two exception middlewares wrapping
@@ -70,7 +70,7 @@ class FastPath:
         await self.app(scope, receive, send)
 
     async def lean(self, exchange: LeanExchange) -> None:
-        """``gateway.h1server``'s handler: a rollout it read, answered in one write when
+        """``gateway.http.h1server``'s handler: a rollout it read, answered in one write when
         the response is complete (its headers are the gateway's own or ones its parser
         accepted, see ``LeanExchange.respond``); a stream is relayed chunk by chunk
         (``RelayResponse.stream_to``); while writing is paused, the ASGI way."""
@@ -107,7 +107,7 @@ class FastPath:
         try:
             check_key(inbound.header(b"authorization"), gw.client_keys, "API key")
             limit = gw.settings.max_body_bytes
-            body = inbound.body  # already read by ``gateway.h1server``
+            body = inbound.body  # already read by ``gateway.http.h1server``
             if body is None:  # uvicorn's connection: read_body enforces the limit
                 assert inbound.receive is not None
                 body = await read_body(inbound.receive, inbound.header(b"content-length"), limit)

@@ -18,9 +18,9 @@ from gateway.errors import (
     HeadersTooLarge,
     PayloadTooLarge,
 )
-from gateway.inbound import Inbound
+from gateway.http.inbound import Inbound
+from gateway.http.relay import ClientDisconnected
 from gateway.logs import REQUEST_ID
-from gateway.relay import ClientDisconnected
 
 if TYPE_CHECKING:
     from gateway.config import Settings

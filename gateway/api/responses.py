@@ -10,8 +10,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import GatewayError
-from gateway.relay import BodyResponse
-from gateway.upstream import (
+from gateway.http.relay import BodyResponse
+from gateway.http.upstream import (
     BufferedResponse,
     response_headers,
 )

@@ -15,7 +15,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.admission import Refusal
 from gateway.api.auth import require_client
 from gateway.api.requests import (
     check_generation,
@@ -31,11 +30,10 @@ from gateway.errors import (
     UpstreamError,
     UpstreamUnavailable,
 )
-from gateway.inbound import Inbound
-from gateway.metrics import RouteKind
-from gateway.relay import BodyResponse, RelayResponse
-from gateway.routing.policy import CandidateLoads, RouteRequest
-from gateway.upstream import (
+from gateway.fleet.admission import Refusal
+from gateway.http.inbound import Inbound
+from gateway.http.relay import BodyResponse, RelayResponse
+from gateway.http.upstream import (
     ReplicaConnectError,
     UpstreamResponse,
     map_errors,
@@ -43,6 +41,8 @@ from gateway.upstream import (
     request_headers,
     response_headers,
 )
+from gateway.metrics import RouteKind
+from gateway.routing.policy import CandidateLoads, RouteRequest
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

@@ -2,7 +2,7 @@
 
 Only what the core's contract needs: 400 on a duplicate name without ``load_inplace``,
 404 on unloading an unknown name, and injectable faults. HTTP-level behaviour is covered
-by the integration tests over ``gateway.sim``.
+by the integration tests over ``rollout_testbed.sim``.
 """
 
 from __future__ import annotations

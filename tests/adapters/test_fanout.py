@@ -10,16 +10,16 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from rollout_testbed.sim.app import create_sim_app
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.state import SimState
 
 from gateway.adapters.manager import AdapterManager, check_capacity, parse_models
 from gateway.adapters.state import AdapterPolicy, ReplicaState
 from gateway.config import load_settings
 from gateway.errors import BadRequest, BroadcastFailed, NotFound, UpstreamTimeout
-from gateway.replicas import ReplicaPool
-from gateway.sim.app import create_sim_app
-from gateway.sim.config import SimConfig
-from gateway.sim.state import SimState
-from gateway.upstream import Upstream, make_session
+from gateway.fleet.replicas import ReplicaPool
+from gateway.http.upstream import Upstream, make_session
 from tests.cluster import SimReplica
 
 FAST = AdapterPolicy(

@@ -126,7 +126,7 @@ def test_real_failure_rolls_back_accepted_replicas() -> None:
 
 
 def test_a_timed_out_replica_is_lost_not_failed_and_its_late_load_is_cleaned_up() -> None:
-    """gateway.quorum: no answer in time = lost. The load goes live on the others; the hung
+    """gateway.fleet.quorum: no answer in time = lost. The load goes live on the others; the hung
     replica is out of adapter traffic until it is re-read, and what it applied late (a
     version retired meanwhile) is unloaded then, not left as a stray."""
     core, fakes = make(3)

@@ -95,15 +95,14 @@ def _sim_only_files() -> list[tuple[Path, str]]:
             path = Path(str(dist.locate_file(f)))
             if path.is_file() and "__pycache__" not in f.parts and not str(f).startswith(".."):
                 out.append((path, str(f)))
-    for pkg in ("sim", "local"):
-        src = REPO / "gateway" / pkg
-        for path in sorted(src.rglob("*.py")):
-            out.append((path, f"gateway/{pkg}/{path.relative_to(src)}"))
+    src = REPO / "testbed" / "rollout_testbed"
+    for path in sorted(src.rglob("*.py")):
+        out.append((path, f"rollout_testbed/{path.relative_to(src)}"))
     return out
 
 
 def build_sim_image(gateway_image: str) -> str:
-    """The sidecar image plus the simulated replica (gateway/sim, FastAPI and what it needs,
+    """The sidecar image plus the simulated replica (``rollout_testbed``, FastAPI and what it needs,
     copied from the test venv): the replicas of the kube-play pod. Tagged by a hash of
     what it adds, so it is built once per change (offline, in seconds)."""
     files = _sim_only_files()

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import orjson
 import uvicorn
+from rollout_testbed.sim.app import create_sim_app
+from rollout_testbed.sim.server import build_parser, config_from_args
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.serving import listen_socket
-from gateway.sim.app import create_sim_app
-from gateway.sim.server import build_parser, config_from_args
+from gateway.http.serving import listen_socket
 
 
 class RequireToken:

@@ -129,9 +129,8 @@ site = [p for p in sys.path if p.endswith("site-packages")][0]
 print(json.dumps({
     "tools": [t for t in ("cc", "gcc", "g++", "clang", "make", "ld", "as", "strip", "pip",
                           "pip3", "apt-get") if shutil.which(t) and t != "apt-get"],
-    "modules": [m for m in ("pip", "setuptools", "hatchling", "fastapi", "gateway.sim",
-                            "gateway.local", "gateway.demo", "gateway.testing", "trainer",
-                            "tests", "bench") if u.find_spec(m)],
+    "modules": [m for m in ("pip", "setuptools", "hatchling", "fastapi", "rollout_testbed",
+                            "trainer", "tests", "bench") if u.find_spec(m)],
     "dirs": [d for d in ("/src", "/wheels", "/opt/tools", "/tests", "/bench")
              if os.path.exists(d)],
     "serve": bool(u.find_spec("gateway.cli")) and bool(u.find_spec("gateway.app")),

@@ -1,4 +1,4 @@
-"""Subprocess helpers for the deploy tests: free ports, gateway/sim processes, polling.
+"""Subprocess helpers for the deploy tests: free ports, simulated replica processes, polling.
 
 Every process is started by these helpers and stopped by its own PID (never by name);
 every wait is bounded.
@@ -81,9 +81,9 @@ def process(
 
 @contextlib.contextmanager
 def sim_replica(*args: str, port: int | None = None) -> Iterator[str]:
-    """A ``rollout-gateway sim-replica`` process; yields its base URL once it answers."""
+    """A ``rollout-testbed sim-replica`` process; yields its base URL once it answers."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "gateway", "sim-replica", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "rollout_testbed", "sim-replica", "--port", str(port), *args]
     with process(cmd):
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health")

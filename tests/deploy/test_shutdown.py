@@ -65,7 +65,7 @@ def gateway(replica: str, timeout_s: int, log: Path) -> Iterator[tuple[str, int,
 
 def test_sigterm_drains_in_flight_then_exits_zero(tmp_path: Path) -> None:
     sim_port = free_port()
-    sim_cmd = [sys.executable, "-m", "gateway", "sim-replica", "--port", str(sim_port),
+    sim_cmd = [sys.executable, "-m", "rollout_testbed", "sim-replica", "--port", str(sim_port),
                "--latency-model", "decode=0.05"]  # fmt: skip
     replica = f"http://127.0.0.1:{sim_port}"
     with (

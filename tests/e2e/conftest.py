@@ -5,7 +5,7 @@ the test, unloads every adapter the gateway still lists and waits until both rep
 empty again, so each test starts from replicas that hold no adapter.
 
 * The tiny model (``--adapters 12``) is built once into ``.run/e2e/tiny-model`` and reused.
-* Replicas come from ``gateway.local.replicas.start_replicas`` (pinned one per core),
+* Replicas come from ``rollout_testbed.local.replicas.start_replicas`` (pinned one per core),
   started with ``max_staleness=4`` so vLLM has ``max_loras=6`` (TRL's own client checks
   ``max_loras >= its max_staleness + 2`` with 4); the gateway in front runs with
   ``--max-staleness 2`` (the adapter-lifecycle scenario of issue 4).
@@ -13,7 +13,7 @@ empty again, so each test starts from replicas that hold no adapter.
   thread with its own event loop, so tests may be sync or async (any loop scope) and the
   kill/restart test can stop and restart it on the same port.
 * Start budget: ``GATEWAY_E2E_REPLICA_TIMEOUT`` seconds (default 600). The vLLM python is
-  ``gateway.local.vllm_env.find_vllm_python(None)`` (``GATEWAY_VLLM_PYTHON``).
+  ``rollout_testbed.local.vllm_env.find_vllm_python(None)`` (``GATEWAY_VLLM_PYTHON``).
 * If the layer cannot start (no vLLM venv, no disk, a replica crashing), every test
   using it FAILS with the reason. Nothing here ever skips.
 * Everything started here is stopped at session end, by PID/PGID only.
@@ -39,13 +39,17 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+from rollout_testbed.local import replicas as R
+from rollout_testbed.local.vllm_env import (
+    VllmNotInstalledError,
+    check_vllm_python,
+    find_vllm_python,
+)
+from rollout_testbed.serve import serve_asgi
 
 from gateway.api import FastPath
 from gateway.app import Gateway, create_app
 from gateway.config import load_settings
-from gateway.local import replicas as R
-from gateway.local.vllm_env import VllmNotInstalledError, check_vllm_python, find_vllm_python
-from gateway.testing import serve_asgi
 from trainer.payload import build_payload
 
 T = TypeVar("T")
@@ -53,7 +57,7 @@ T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 E2E_DIR = REPO / ".run" / "e2e"
 MODEL_DIR = E2E_DIR / "tiny-model"
-TINY_MODEL = REPO / "gateway" / "local" / "tiny_model.py"
+TINY_MODEL = REPO / "testbed" / "rollout_testbed" / "local" / "tiny_model.py"
 N_ADAPTERS = 12
 BASE_MODEL = "tiny-base"
 REPLICA_MAX_STALENESS = 4  # vLLM --max-loras 6, --max-cpu-loras 8
@@ -281,7 +285,7 @@ def _build_model(python: str) -> None:
 
 
 def _reuse_replicas(state_file: Path) -> R.ReplicaSet:
-    """Development aid: replicas already started with ``rollout-gateway replicas up --n 2
+    """Development aid: replicas already started with ``rollout-testbed replicas up --n 2
     --model-dir .run/e2e/tiny-model --max-staleness 4 --state-file F``. They are not
     stopped at the end (a replica the kill test restarts is, being ours)."""
     rs = R.ReplicaSet.load(state_file)

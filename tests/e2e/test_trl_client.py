@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
+from rollout_testbed.local.vllm_env import find_vllm_python
 
-from gateway.local.vllm_env import find_vllm_python
 from tests.cluster import cluster
 
 PROBE = Path(__file__).with_name("trl_probe.py")

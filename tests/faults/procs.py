@@ -6,7 +6,7 @@ process incarnation logs to its own file under the test's ``tmp_path``, so ``log
 return everything the suite produced, including processes that were SIGKILLed and
 restarted.
 
-* ``fleet(tmp_path, n=...)`` starts ``n`` ``python -m gateway sim-replica`` processes and
+* ``fleet(tmp_path, n=...)`` starts ``n`` ``python -m rollout_testbed sim-replica`` processes and
   one ``python -m gateway serve`` with distinctive upstream token, API key and admin key,
   JSON logs and a 0.2 s health interval, and waits until ``/health`` is 200.
 * ``Proc.kill()`` (SIGKILL), ``restart()`` (same port), ``stop()``/``cont()``
@@ -430,7 +430,7 @@ async def _wait_http_ok(
 
 
 def sim_argv(port: int, latency: str, extra: Sequence[str] = ()) -> list[str]:
-    return [PY, "-m", "gateway", "sim-replica", "--port", str(port),
+    return [PY, "-m", "rollout_testbed", "sim-replica", "--port", str(port),
             "--latency-model", latency, "--max-loras", "8", *extra]  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """Fault 4: an adapter load fails on one replica, or times out there.
 
 A replica that answers with an error fails the load; one that does not answer in time
-is lost and left out (``gateway.quorum``). All or nothing, proven from outside with
+is lost and left out (``gateway.fleet.quorum``). All or nothing, proven from outside with
 real processes: while the load is under way and after it failed, a watcher keeps asking
 the gateway for the adapter (a completion and ``/v1/models``) and never once sees it
 live; afterwards no replica holds it; the trainer gets an OpenAI-shaped error that names
@@ -142,7 +142,7 @@ async def test_engine_error_on_one_replica_rolls_back_everywhere(f: Fleet) -> No
 
 async def test_load_timeout_on_one_replica_is_lost_not_failed(f: Fleet) -> None:
     """A replica that does not answer the load within ``broadcast_timeout_s`` is *lost*
-    (gateway.quorum): the trainer gets 200 at the timeout, live on the others; the slow
+    (gateway.fleet.quorum): the trainer gets 200 at the timeout, live on the others; the slow
     replica is ejected at once and, being alive, re-admitted by the next probe and
     reconciled (the version replayed) before it gets the adapter's traffic."""
     late = BROADCAST_TIMEOUT_S + 1.0

@@ -1,4 +1,4 @@
-"""The control-call rule (``gateway.quorum``), with real processes: a replica that cannot
+"""The control-call rule (``gateway.fleet.quorum``), with real processes: a replica that cannot
 be reached is lost, not failed; one that answers with an error fails the call.
 
 TRL 1.16 retries none of ``/pause``, ``/resume``, load and unload, so each of these is a

@@ -12,10 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from gateway.local import replicas as R
-from gateway.local import tiny_model
-from gateway.local.vllm_env import VllmNotInstalledError, check_vllm_python, find_vllm_python
+from rollout_testbed.local import replicas as R
+from rollout_testbed.local import tiny_model
+from rollout_testbed.local.vllm_env import (
+    VllmNotInstalledError,
+    check_vllm_python,
+    find_vllm_python,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -221,7 +224,7 @@ def test_missing_vllm_python_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 def test_tiny_model_without_torch_exits_2(tmp_path: Path) -> None:
     env = dict(os.environ, GATEWAY_VLLM_PYTHON=str(tmp_path / "missing" / "python"))
     res = subprocess.run(
-        [sys.executable, "-m", "gateway.local.tiny_model", str(tmp_path / "m")],
+        [sys.executable, "-m", "rollout_testbed.local.tiny_model", str(tmp_path / "m")],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -231,7 +234,7 @@ def test_tiny_model_without_torch_exits_2(tmp_path: Path) -> None:
     )
     assert res.returncode == 2, res.stderr
     assert "install-vllm.sh" in res.stderr
-    assert ".venv-vllm/bin/python -m gateway.local.tiny_model" in res.stderr
+    assert ".venv-vllm/bin/python -m rollout_testbed.local.tiny_model" in res.stderr
     assert not (tmp_path / "m").exists()
 
 
@@ -248,7 +251,7 @@ def sim_state(tmp_path: Path) -> Iterator[Path]:
 
 def _run_cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gateway.local.replicas", *args],
+        [sys.executable, "-m", "rollout_testbed.local.replicas", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -17,15 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from gateway.local import replicas as R
-from gateway.local.tiny_model import tree_digest
-from gateway.local.vllm_env import VllmNotInstalledError, check_vllm_python
+from rollout_testbed.local import replicas as R
+from rollout_testbed.local.tiny_model import tree_digest
+from rollout_testbed.local.vllm_env import VllmNotInstalledError, check_vllm_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
-TINY_MODEL = REPO / "gateway" / "local" / "tiny_model.py"
+TINY_MODEL = REPO / "testbed" / "rollout_testbed" / "local" / "tiny_model.py"
 
 
 def _vllm_python() -> str:

@@ -6,9 +6,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-
-from gateway.sim.config import SimConfig
-from gateway.sim.testing import SimURL, running_sim
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.testing import SimURL, running_sim
 
 
 @pytest.fixture

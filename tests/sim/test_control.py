@@ -8,10 +8,9 @@ from typing import Any
 
 import httpx
 import pytest
-
-from gateway.sim.config import SimConfig
-from gateway.sim.latency import LatencyModel
-from gateway.sim.testing import SimURL, running_sim
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.latency import LatencyModel
+from rollout_testbed.sim.testing import SimURL, running_sim
 
 BODY = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 3}
 

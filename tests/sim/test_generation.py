@@ -6,10 +6,9 @@ from typing import Any
 
 import httpx
 import orjson
-
-from gateway.sim.config import SimConfig
-from gateway.sim.latency import LatencyModel
-from gateway.sim.testing import SimURL, running_sim
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.latency import LatencyModel
+from rollout_testbed.sim.testing import SimURL, running_sim
 
 PROMPT = list(range(10, 20))  # 10 tokens: 2 whole blocks of 4 + a partial block
 

@@ -1,8 +1,7 @@
 from __future__ import annotations
 
 import pytest
-
-from gateway.sim.latency import LatencyModel
+from rollout_testbed.sim.latency import LatencyModel
 
 
 def test_instant() -> None:

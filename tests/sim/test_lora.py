@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import httpx
-
-from gateway.sim.config import SimConfig
-from gateway.sim.testing import SimURL, running_sim
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.testing import SimURL, running_sim
 
 
 def _load(name: str, path: str = "/lora/a", **extra: object) -> dict[str, object]:

@@ -7,8 +7,7 @@ from collections import OrderedDict
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from gateway.sim.prefix_cache import BlockPrefixCache, block_hashes
+from rollout_testbed.sim.prefix_cache import BlockPrefixCache, block_hashes
 
 
 def test_partial_block_never_hits() -> None:

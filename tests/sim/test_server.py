@@ -1,9 +1,8 @@
 from __future__ import annotations
 
 import pytest
-
-from gateway.sim.latency import LatencyModel
-from gateway.sim.server import build_parser, config_from_args
+from rollout_testbed.sim.latency import LatencyModel
+from rollout_testbed.sim.server import build_parser, config_from_args
 
 
 def test_flags_map_to_config() -> None:
@@ -40,4 +39,4 @@ def test_defaults_and_bad_latency(capsys: pytest.CaptureFixture[str]) -> None:
     assert cfg.latency.is_instant and not cfg.check_lora_paths
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--port", "1", "--latency-model", "nope=1"])
-    assert "rollout-gateway sim-replica" in capsys.readouterr().err
+    assert "rollout-testbed sim-replica" in capsys.readouterr().err

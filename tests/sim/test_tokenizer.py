@@ -4,8 +4,7 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
-
-from gateway.sim.tokenizer import (
+from rollout_testbed.sim.tokenizer import (
     EOS_ID,
     SPECIAL_TOKENS,
     apply_chat_template,

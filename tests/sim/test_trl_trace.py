@@ -9,8 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-
-from gateway.sim.testing import SimURL
+from rollout_testbed.sim.testing import SimURL
 
 TRACE = Path(__file__).parents[1] / "data" / "trl-1.16-lora-sync-wire-trace.jsonl"
 

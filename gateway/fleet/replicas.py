@@ -10,7 +10,7 @@ The pool decides; ``app.py``'s health loop and ``gateway/api`` do the I/O and re
   conclusive, so the replica leaves rotation at once instead of after N probes.
 * ``acquire``/``release`` bracket every routed request (``release`` runs in ``finally``).
 * ``add(spec, token)`` / ``remove(index)``: membership changes from discovery
-  (``gateway/discovery.py``). A new replica starts DOWN, so it is probed and reconciled
+  (``gateway/fleet/discovery.py``). A new replica starts DOWN, so it is probed and reconciled
   before it gets traffic.
 
 Replicas are identified by an index; the index, never the URL (which may carry

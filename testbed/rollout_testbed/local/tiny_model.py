@@ -1,17 +1,17 @@
 """Build a tiny, deterministic Qwen2 model + tokenizer + LoRA adapters for local vLLM.
 
-    rollout-gateway make-tiny-model DIR [--seed 0] [--adapters 8] [--rank 8] [--targets q_v]
+    rollout-testbed make-tiny-model DIR [--seed 0] [--adapters 8] [--rank 8] [--targets q_v]
 
 Needs torch, transformers, peft, tokenizers and safetensors, which live in the vLLM venv
 (``scripts/install-vllm.sh``), never in the gateway's own venv. This module therefore
 imports only the standard library at import time and can be run in three ways:
 
-* ``rollout-gateway make-tiny-model DIR`` from the gateway venv: when the heavy packages
+* ``rollout-testbed make-tiny-model DIR`` from the gateway venv: when the heavy packages
   are missing there, it re-runs itself with the vLLM venv's python (``GATEWAY_VLLM_PYTHON``
   or ``<repo>/.venv-vllm/bin/python``), or prints the install command and exits 2;
-* ``.venv-vllm/bin/python -m gateway.local.tiny_model DIR`` from the repository root;
-* ``.venv-vllm/bin/python path/to/gateway/local/tiny_model.py DIR`` from anywhere: the
-  file is self-contained, so the gateway package need not be installed in the vLLM venv.
+* ``.venv-vllm/bin/python -m rollout_testbed.local.tiny_model DIR`` from the repository root;
+* ``.venv-vllm/bin/python path/to/rollout_testbed/local/tiny_model.py DIR`` from anywhere:
+  the file is self-contained, so no package need be installed in the vLLM venv.
 
 Same seed and same pinned package versions give byte-identical files.
 """
@@ -48,9 +48,9 @@ HEAVY_MODULES = ("torch", "transformers", "peft", "tokenizers", "safetensors")
 NO_DELEGATE_ENV = "ROLLOUT_GATEWAY_TINY_MODEL_NO_DELEGATE"
 INSTALL_HINT = (
     "Install the vLLM venv with `make vllm` (or `bash scripts/install-vllm.sh`), then run\n"
-    "  .venv-vllm/bin/python -m gateway.local.tiny_model DIR   (from the repository root)\n"
+    "  .venv-vllm/bin/python -m rollout_testbed.local.tiny_model DIR   (from the repository root)\n"
     "or set GATEWAY_VLLM_PYTHON to that venv's python and use "
-    "`rollout-gateway make-tiny-model DIR`."
+    "`rollout-testbed make-tiny-model DIR`."
 )
 
 # ---------------------------------------------------------------------------------------
@@ -291,7 +291,7 @@ def tree_digest(root: str | os.PathLike[str]) -> dict[str, str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="rollout-gateway make-tiny-model",
+        prog="rollout-testbed make-tiny-model",
         description="Build a tiny random Qwen2 model, tokenizer and LoRA adapters (no download).",
     )
     p.add_argument("dir", help="output directory (created; must be empty unless --force)")
@@ -308,7 +308,7 @@ def _delegate(argv: Sequence[str]) -> int | None:
     if os.environ.get(NO_DELEGATE_ENV):
         return None
     try:
-        from gateway.local.vllm_env import find_vllm_python
+        from rollout_testbed.local.vllm_env import find_vllm_python
     except ImportError:
         return None
     python = find_vllm_python(None)

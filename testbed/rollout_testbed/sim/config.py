@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.sim.latency import LatencyModel
+from rollout_testbed.sim.latency import LatencyModel
 
 __all__ = ["SimConfig"]
 

@@ -2,8 +2,8 @@
 
 Usage (pytest-asyncio)::
 
-    from gateway.sim.config import SimConfig
-    from gateway.sim.testing import running_sim, running_sims
+    from rollout_testbed.sim.config import SimConfig
+    from rollout_testbed.sim.testing import running_sim, running_sims
 
     async def test_something() -> None:
         async with running_sim(SimConfig(max_loras=4)) as url:
@@ -29,9 +29,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from gateway.sim.app import create_sim_app
-from gateway.sim.config import SimConfig
-from gateway.sim.state import SimState
+from rollout_testbed.sim.app import create_sim_app
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.state import SimState
 
 __all__ = ["SimURL", "running_sim", "running_sims"]
 

@@ -1,5 +1,5 @@
 """The fleet's pause state and the broadcasts that change it (``/pause``, ``/resume``,
-``/reset_prefix_cache``), judged by ``gateway.quorum``.
+``/reset_prefix_cache``), judged by ``gateway.fleet.quorum``.
 
 vLLM's pause is per replica; TRL pauses "the server" around every weight sync. So the
 gateway holds the fleet's pause state and keeps every serving replica in it:
@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from gateway.errors import BroadcastFailed, GatewayError, UpstreamUnavailable
-from gateway.quorum import Tally, Verdict, judge, reply_for
-from gateway.upstream import BufferedResponse
+from gateway.fleet.quorum import Tally, Verdict, judge, reply_for
+from gateway.http.upstream import BufferedResponse
 
 __all__ = ["FleetControl"]
 

@@ -7,7 +7,7 @@ transport 3.6x, that transport without ``AsyncClient`` 1.7x, relative to a plain
 ``aiohttp.ClientSession`` (1.0x). On a 2-core box the proxy's CPU per request *is* its
 throughput, so upstream calls speak aiohttp directly: no cookie jar, no redirect or auth
 machinery, URLs pre-built per replica and path. The ROUTED path goes one step further:
-``send_routed`` uses ``gateway.h1client`` (one pre-assembled write per request, httptools
+``send_routed`` uses ``gateway.http.h1client`` (one pre-assembled write per request, httptools
 parsing), which cut the gateway's CPU per proxied completion by ~35 % at 64 in flight and
 ~50 % at 1 in flight (``bench/cpu_per_request.py``). Control-plane calls keep aiohttp.
 
@@ -35,8 +35,8 @@ from yarl import URL
 
 from gateway.config import Settings
 from gateway.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from gateway.h1client import ConnectFailed, H1Pool, H1Response, ResetBeforeResponse
-from gateway.replicas import ReplicaPool
+from gateway.fleet.replicas import ReplicaPool
+from gateway.http.h1client import ConnectFailed, H1Pool, H1Response, ResetBeforeResponse
 
 __all__ = [
     "BufferedResponse",
@@ -273,7 +273,7 @@ class Upstream:
     async def send_routed(
         self, replica: int, method: str, target: bytes, head_lines: bytes, body: bytes
     ) -> tuple[H1Response, bytes | None]:
-        """The data path's lean twin of ``send`` (``gateway.h1client``): ``target`` is the
+        """The data path's lean twin of ``send`` (``gateway.http.h1client``): ``target`` is the
         raw path and query, ``head_lines`` the client's forwardable headers
         (``request_head_lines``). A sized body is read too (the content, else None: a
         stream for the caller to relay). Errors are mapped exactly as ``map_errors`` maps

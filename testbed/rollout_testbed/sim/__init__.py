@@ -10,5 +10,5 @@ Modules (imported directly; this package imports nothing so ``prefix_cache`` sta
 * ``state``         ``SimState``: engine state, pause gate, ``Faults``, ``SimStats``, metrics
 * ``app``           ``create_sim_app(config) -> FastAPI``; state on ``app.state.sim``
 * ``testing``       ``running_sim(config)``: a sim on a real socket inside a test
-* ``server``        ``main(argv)`` for ``rollout-gateway sim-replica``
+* ``server``        ``main(argv)`` for ``rollout-testbed sim-replica``
 """

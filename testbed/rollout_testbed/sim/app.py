@@ -38,9 +38,9 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.sim import responses as R
-from gateway.sim.config import SimConfig
-from gateway.sim.protocol import (
+from rollout_testbed.sim import responses as R
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -50,8 +50,8 @@ from gateway.sim.protocol import (
     UnloadLoRAAdapterRequest,
     error_response,
 )
-from gateway.sim.state import Faults, Generation, PauseMode, SimState
-from gateway.sim.tokenizer import apply_chat_template, decode, decode_token, encode
+from rollout_testbed.sim.state import Faults, Generation, PauseMode, SimState
+from rollout_testbed.sim.tokenizer import apply_chat_template, decode, decode_token, encode
 
 __all__ = ["SimConfig", "SimState", "create_sim_app"]
 
@@ -188,7 +188,7 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
     """Build one simulated replica; its engine state and fault control is ``app.state.sim``."""
     cfg = config or SimConfig()
     state = SimState(cfg)
-    app = FastAPI(title="rollout-gateway sim-replica", docs_url=None, redoc_url=None)
+    app = FastAPI(title="rollout-testbed sim-replica", docs_url=None, redoc_url=None)
     app.state.sim = state
     _install_error_handlers(app)
     json_body = [Depends(_require_json)]

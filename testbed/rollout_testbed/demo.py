@@ -1,7 +1,7 @@
 """The one-command demo: async LoRA GRPO through the gateway, learning on CPU.
 
-    make demo                         (python -m gateway.demo)
-    python -m gateway.demo --sim      (fast, torch-free: TRL-shaped traffic on sim replicas)
+    make demo                         (python -m rollout_testbed.demo)
+    python -m rollout_testbed.demo --sim      (fast, torch-free: TRL-shaped traffic on sim replicas)
 
 Real mode (the default), on a fresh machine after ``make vllm``:
 
@@ -45,10 +45,10 @@ import httpx
 
 from gateway.app import create_app
 from gateway.config import load_settings
-from gateway.sim.app import create_sim_app
-from gateway.sim.config import SimConfig
-from gateway.sim.latency import LatencyModel
-from gateway.testing import serve_asgi
+from rollout_testbed.serve import serve_asgi
+from rollout_testbed.sim.app import create_sim_app
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.latency import LatencyModel
 from trainer.payload import build_payload
 
 GROUP = 8
@@ -150,7 +150,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _prefix_cache_rate(url: str) -> float | None:
-    from gateway.local.replicas import http_get
+    from rollout_testbed.local.replicas import http_get
 
     try:
         status, body = http_get(url + "/metrics", timeout=10)
@@ -168,7 +168,7 @@ def _prefix_cache_rate(url: str) -> float | None:
 
 
 def _live_adapters(url: str) -> list[str]:
-    from gateway.local.replicas import http_get
+    from rollout_testbed.local.replicas import http_get
 
     try:
         status, body = http_get(url + "/v1/models", timeout=10)
@@ -183,7 +183,7 @@ def start_gateway(
     urls: list[str], max_staleness: int, log: Path
 ) -> tuple[subprocess.Popen[bytes], str]:
     """The gateway as a subprocess of this python (its own process group)."""
-    from gateway.local.replicas import free_ports, health
+    from rollout_testbed.local.replicas import free_ports, health
 
     port = free_ports(1)[0]
     cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port),
@@ -263,8 +263,13 @@ def trainer_args(model_dir: Path, url: str, out: Path, *, steps: int, duration_s
 
 def run_real(*, replicas: int, steps: int, duration_s: float, max_staleness: int, seed: int,
              out: Path) -> int:  # fmt: skip
-    from gateway.local.replicas import ReplicaError, free_ports, start_replicas, stop_replicas
-    from gateway.local.vllm_env import VllmNotInstalledError, check_vllm_python
+    from rollout_testbed.local.replicas import (
+        ReplicaError,
+        free_ports,
+        start_replicas,
+        stop_replicas,
+    )
+    from rollout_testbed.local.vllm_env import VllmNotInstalledError, check_vllm_python
 
     t0 = time.monotonic()
     try:
@@ -321,7 +326,8 @@ def run_real(*, replicas: int, steps: int, duration_s: float, max_staleness: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gateway.demo", description=__doc__.split("\n")[0])
+    description = (__doc__ or "").split("\n")[0]
+    p = argparse.ArgumentParser(prog="rollout-testbed demo", description=description)
     p.add_argument("--sim", action="store_true", help="fast torch-free sim mode")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--max-staleness", type=int, default=1)

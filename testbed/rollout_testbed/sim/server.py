@@ -1,9 +1,9 @@
-"""``rollout-gateway sim-replica``: serve one simulated vLLM replica with uvicorn.
+"""``rollout-testbed sim-replica``: serve one simulated vLLM replica with uvicorn.
 
 ``gateway.cli`` dispatches the ``sim-replica`` subcommand to ``main(argv)``; flags mirror the
 ``vllm serve`` ones they stand in for. Example::
 
-    rollout-gateway sim-replica --port 8101 --max-loras 4 --latency-model \\
+    rollout-testbed sim-replica --port 8101 --max-loras 4 --latency-model \\
         prefill=2e-5,decode=1e-3,concurrency=1e-4
 """
 
@@ -13,10 +13,10 @@ import argparse
 
 import uvicorn
 
-from gateway.serving import listen_socket
-from gateway.sim.app import create_sim_app
-from gateway.sim.config import SimConfig
-from gateway.sim.latency import LatencyModel
+from gateway.http.serving import listen_socket
+from rollout_testbed.sim.app import create_sim_app
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.latency import LatencyModel
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -31,7 +31,7 @@ def _latency(spec: str) -> LatencyModel:
 def build_parser() -> argparse.ArgumentParser:
     d = SimConfig()
     p = argparse.ArgumentParser(
-        prog="rollout-gateway sim-replica",
+        prog="rollout-testbed sim-replica",
         description="A simulated vLLM replica (OpenAI server, runtime LoRA, dev-mode endpoints).",
     )
     p.add_argument("--port", type=int, required=True)

@@ -34,10 +34,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge as PromGauge
 
-from gateway.sim.config import SimConfig
-from gateway.sim.prefix_cache import BlockPrefixCache
-from gateway.sim.protocol import SimError
-from gateway.sim.tokenizer import SampledToken, sample
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.prefix_cache import BlockPrefixCache
+from rollout_testbed.sim.protocol import SimError
+from rollout_testbed.sim.tokenizer import SampledToken, sample
 
 __all__ = ["Adapter", "Faults", "Generation", "PauseMode", "SimState", "SimStats"]
 

@@ -1,10 +1,10 @@
 """Start, stop and inspect N local vLLM (or sim) replicas on 127.0.0.1.
 
-    rollout-gateway replicas up [--n 2] [--model-dir DIR] [--base-port 8101] [--max-staleness 4]
+    rollout-testbed replicas up [--n 2] [--model-dir DIR] [--base-port 8101] [--max-staleness 4]
                                [--state-file .run/replicas.json] [--vllm-python PATH] [--sim]
                                [--timeout 300]
-    rollout-gateway replicas status [--state-file ...]
-    rollout-gateway replicas down [--state-file ...] [--purge]
+    rollout-testbed replicas status [--state-file ...]
+    rollout-testbed replicas down [--state-file ...] [--purge]
 
 Python API (used by the e2e session fixture)::
 
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.local.vllm_env import VllmNotInstalledError, check_vllm_python, repo_root
+from rollout_testbed.local.vllm_env import VllmNotInstalledError, check_vllm_python, repo_root
 
 STATE_VERSION = 1
 DEFAULT_STATE_FILE = ".run/replicas.json"
@@ -55,7 +55,7 @@ MARKER_ENV = "ROLLOUT_GATEWAY_REPLICA_RUN"
 MAX_TMPDIR_LEN = 60
 
 
-log = logging.getLogger("gateway.local.replicas")
+log = logging.getLogger("rollout_testbed.local.replicas")
 
 
 class ReplicaError(RuntimeError):
@@ -330,9 +330,9 @@ def vllm_command(
 def sim_command(
     python: str, *, port: int, host: str, max_loras: int, served_model_name: str
 ) -> list[str]:
-    # `python -m gateway sim-replica` is the wired CLI; calling the module's main directly
+    # `python -m rollout_testbed sim-replica` is the wired CLI; calling the module's main directly
     # keeps this independent of the CLI wiring.
-    code = "import sys; from gateway.sim.server import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from rollout_testbed.sim.server import main; sys.exit(main(sys.argv[1:]))"
     return [
         python, "-c", code,
         "--port", str(port), "--host", host,
@@ -684,7 +684,7 @@ def replica_status(rs: ReplicaSet) -> list[dict[str, Any]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="rollout-gateway replicas",
+        prog="rollout-testbed replicas",
         description="Local vLLM (or sim) replicas on 127.0.0.1, each pinned to its own core.",
     )
     sub = p.add_subparsers(dest="action", required=True)

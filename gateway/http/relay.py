@@ -25,8 +25,8 @@ from starlette.types import Receive, Scope, Send
 from gateway.errors import UpstreamError
 
 if TYPE_CHECKING:
-    from gateway.h1server import LeanExchange
-    from gateway.upstream import UpstreamResponse
+    from gateway.http.h1server import LeanExchange
+    from gateway.http.upstream import UpstreamResponse
 
 __all__ = ["BodyResponse", "ClientDisconnected", "DisconnectGuard", "RelayResponse"]
 
@@ -42,7 +42,7 @@ class DisconnectGuard:
     is cancelled and the block raises ``ClientDisconnected`` instead.
 
     A plain context manager, not a wrapping coroutine: no frame in the await chain of
-    every rollout. On a connection served by ``gateway.h1server`` the server resolves
+    every rollout. On a connection served by ``gateway.http.h1server`` the server resolves
     ``lost`` when the connection goes: watching costs one callback. Otherwise a watcher
     task reads ASGI ``receive``; it is armed lazily, after ``_ARM_AFTER_S``: most rollouts
     finish sooner and then cost one timer instead of one task (a disconnect is still
@@ -126,7 +126,7 @@ class RelayResponse(Response):
     """Stream ``upstream``'s body to the client; ``on_close(completed)`` runs once.
 
     ``ejected()`` is asked when the relay is cancelled: True means the replica was ejected
-    (``gateway.aborts``), which ends the stream like an upstream failure; otherwise the
+    (``gateway.fleet.aborts``), which ends the stream like an upstream failure; otherwise the
     cancellation is the client's disconnect (or shutdown) and propagates."""
 
     def __init__(
@@ -149,7 +149,7 @@ class RelayResponse(Response):
         await self._relay(self._pump(send))
 
     async def stream_to(self, exchange: LeanExchange) -> None:
-        """The same relay on a ``gateway.h1server`` connection: chunks are written as they
+        """The same relay on a ``gateway.http.h1server`` connection: chunks are written as they
         arrive, without an ASGI message per chunk."""
         await self._relay(self._pump_lean(exchange))
 

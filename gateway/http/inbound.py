@@ -1,6 +1,6 @@
 """One client request as the dispatch path needs it, whichever server read it.
 
-Why: a rollout read by ``gateway.h1server`` never becomes an ASGI scope, a Starlette
+Why: a rollout read by ``gateway.http.h1server`` never becomes an ASGI scope, a Starlette
 ``Request`` or a ``Response``: building those, and the coroutine layers that pass them
 along, cost about a fifth of the gateway's CPU per rollout (``bench/cpu_per_request.py``,
 ``bench/results/cpu_per_request.fused.md``). Requests that uvicorn serves (hand-offs,
@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope
 
-from gateway.relay import DisconnectGuard
+from gateway.http.relay import DisconnectGuard
 
 __all__ = ["Inbound"]
 
