@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_PY := $(CURDIR)/.venv-vllm/bin/python
 
-.PHONY: help venv vllm tools lint test test-fast test-container image demo bench bench-soak bench-ceiling clean
+.PHONY: help venv vllm tools lint test test-fast test-container image demo bench bench-soak bench-ceiling bench-trl clean
 
 help:
 	@echo "make test   - install everything (gateway venv + vLLM venv) and run lint + all tests"
@@ -16,6 +16,7 @@ help:
 	@echo "make bench  - run the benchmarks in bench/ and refresh bench/results/"
 	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
 	@echo "make bench-ceiling - max sustained req/s vs vllm-router, with a py-spy profile (<= 15 min)"
+	@echo "make bench-trl     - TRL AsyncGRPOTrainer: gateway vs 1 replica vs vllm-router (~15 min)"
 
 $(STAMP): pyproject.toml
 	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
@@ -52,6 +53,7 @@ test: venv vllm tools lint
 	$(BIN)/python -m pytest tests/container -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/local -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/e2e -q
+	PYTHONPATH=$(CURDIR) $(VLLM_PY) -m pytest tests/trl -q -p no:cacheprovider
 	PYTHONPATH=$(CURDIR) $(VLLM_PY) -m pytest tests/trainer -q -p no:cacheprovider
 
 demo: venv vllm
@@ -66,6 +68,10 @@ bench-soak: venv
 
 bench-ceiling: venv
 	$(BIN)/python bench/ceiling.py
+
+# TRL's real AsyncGRPOTrainer: gateway over 2 replicas vs 1 replica direct vs vllm-router.
+bench-trl: venv vllm
+	PYTHONPATH=$(CURDIR) $(VLLM_PY) bench/trl_side_by_side.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
