@@ -7,7 +7,7 @@ VLLM_PY := $(CURDIR)/.venv-vllm/bin/python
 # The vLLM venv runs the trainer and the TRL layer from the tree (gateway, testbed, trainer).
 VLLM_PATH := $(CURDIR):$(CURDIR)/testbed
 
-.PHONY: help venv vllm tools lint test test-fast test-container image demo bench bench-soak bench-ceiling clean
+.PHONY: help venv vllm tools lint test test-fast test-container image demo bench bench-soak bench-ceiling bench-trl clean
 
 help:
 	@echo "make test   - install everything (gateway venv + vLLM venv) and run lint + all tests"
@@ -18,6 +18,7 @@ help:
 	@echo "make bench  - run the benchmarks in bench/ and refresh bench/results/"
 	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
 	@echo "make bench-ceiling - max sustained req/s vs vllm-router, with a py-spy profile (<= 15 min)"
+	@echo "make bench-trl     - TRL AsyncGRPOTrainer: gateway vs 1 replica vs vllm-router (~15 min)"
 
 $(STAMP): pyproject.toml testbed/pyproject.toml
 	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
@@ -54,6 +55,7 @@ test: venv vllm tools lint
 	$(BIN)/python -m pytest tests/container -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/local -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/e2e -q
+	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) -m pytest tests/trl -q -p no:cacheprovider
 	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) -m pytest tests/trainer -q -p no:cacheprovider
 
 demo: venv vllm
@@ -68,6 +70,10 @@ bench-soak: venv
 
 bench-ceiling: venv
 	$(BIN)/python bench/ceiling.py
+
+# TRL's real AsyncGRPOTrainer: gateway over 2 replicas vs 1 replica direct vs vllm-router.
+bench-trl: venv vllm
+	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) bench/trl_side_by_side.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

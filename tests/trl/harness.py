@@ -172,8 +172,9 @@ def build_model_dir(out: Path = MODEL_DIR) -> Path:
         with contextlib.suppress(ValueError, OSError):
             if json.loads(manifest.read_text()) == want:
                 return out
-    from rollout_testbed.local.tiny_model import build
     from transformers import AutoTokenizer
+
+    from rollout_testbed.local.tiny_model import build
 
     build(out, adapters=0, force=True)
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -589,13 +590,20 @@ class Layer:
         rs, r = self.replica(index)
         return list(R.owned_group_members(r.pgid, rs.run_id))
 
-    def kill_replica(self, index: int, timeout: float = 30.0) -> None:
-        """SIGKILL the whole process group of replica ``index`` (one we started)."""
+    def kill_replica(self, index: int, timeout: float = 30.0, wait: bool = True) -> None:
+        """SIGKILL the whole process group of replica ``index`` (one we started); with
+        ``wait`` until every member is gone, else return as soon as the signal is sent."""
+        _, r = self.replica(index)
+        assert self.members(index), f"replica {index} (pgid {r.pgid}) is not ours or not running"
+        os.killpg(r.pgid, signal.SIGKILL)
+        if wait:
+            self.wait_dead(index, timeout)
+
+    def wait_dead(self, index: int, timeout: float = 30.0) -> None:
+        """Reap replica ``index`` and wait until no process of its group is left."""
         from rollout_testbed.local import replicas as R
 
         rs, r = self.replica(index)
-        assert self.members(index), f"replica {index} (pgid {r.pgid}) is not ours or not running"
-        os.killpg(r.pgid, signal.SIGKILL)
         proc = rs._procs.get(r.pid)
         if proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -50,6 +50,7 @@ from tests.trl.harness import (
     metric_sum,
     replica_adapters,
     run_trl,
+    vllm_counters,
     wait_for,
 )
 
@@ -168,7 +169,7 @@ def test_replica_hangs_during_a_sync(fleet: Layer) -> None:
     finally:
         fleet.signal_replica(1, signal.SIGCONT)
     calls = sync_calls(res, 3)
-    r1_end = served(fleet.urls[1])
+    r1_end = vllm_counters(fleet.urls[1])["vllm:request_success_total"]  # 0 if it hangs
     hang_s = info.get("continued_at", 0.0) - info.get("stopped_at", 0.0)
     after_cont = r1_end - info.get("r1_served_at_cont", r1_end)
     report(res, sync3=calls, hang_s=round(hang_s, 1), r1_served_after_cont=after_cont)
@@ -176,6 +177,7 @@ def test_replica_hangs_during_a_sync(fleet: Layer) -> None:
     slowest = max((c[2] for c in calls), default=0.0)
     assert slowest < ANSWER_BOUND_S < TRL_CONTROL_TIMEOUT_S, f"sync 3 calls: {calls}"
     assert_completed(res)
+    r1_end = served(fleet.urls[1])
     slow = _routed_slower_than(fleet, ANSWER_BOUND_S) - slow_before
     assert slow == 0, f"{slow} rollouts took > {ANSWER_BOUND_S} s (TRL gives up at 600 s)"
     # Replica 1 came back: it serves rollouts again and holds the window.
@@ -199,11 +201,14 @@ def test_replica_killed_just_before_pause(fleet: Layer) -> None:
 
     def before_pause(k: int) -> None:
         if k == 3:
-            fleet.kill_replica(0)
+            # The pause leaves right after the signal, before the gateway can have seen the
+            # replica die (from its probes or from the rollouts it has in flight there).
+            fleet.kill_replica(0, wait=False)
             info["killed_at"] = time.time()
 
     def on_step_end(step: int) -> None:
         if step == 3 and "killed_at" in info:  # sync 3 is over: bring replica 0 back
+            fleet.wait_dead(0)
             thread.start()
         if step == 6 and thread.ident:
             thread.join(600)  # the trainer waits (bounded) for the restart ...
@@ -217,10 +222,11 @@ def test_replica_killed_just_before_pause(fleet: Layer) -> None:
                              on_step_end=on_step_end))  # fmt: skip
     if thread.ident:
         thread.join(600)
-    r0_end = served(fleet.urls[0])
+    r0_end = vllm_counters(fleet.urls[0])["vllm:request_success_total"]  # 0 if down
     report(res, sync3=sync_calls(res, 3), restart=restart, **info, r0_served_end=r0_end)
     assert "killed_at" in info, "the kill hook did not run"
     assert_completed(res)
+    r0_end = served(fleet.urls[0])
     assert_loads(res, first_version=1)
     # Syncs after the rejoin reached both replicas again.
     assert res.sync_seen[f"{LORA_NAME}-v{res.model_version}"] == [True, True], res.sync_seen
@@ -244,7 +250,7 @@ def test_replica_killed_during_rollouts(fleet: Layer) -> None:
             info["r0_served_at_kill"] = served(fleet.urls[0])
 
     res = run_trl(fleet.spec("kill-during-rollouts", FAULT_STEPS, on_step_end=on_step_end))
-    r0_end = served(fleet.urls[0])
+    r0_end = vllm_counters(fleet.urls[0])["vllm:request_success_total"]
     report(res, **info, r0_served_end=r0_end,
            ejected=fleet.gateway_metric("gateway_replica_healthy", 'replica="1"') == 0)  # fmt: skip
     assert "killed_at" in info, "the kill hook did not run"
