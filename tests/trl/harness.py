@@ -172,9 +172,8 @@ def build_model_dir(out: Path = MODEL_DIR) -> Path:
         with contextlib.suppress(ValueError, OSError):
             if json.loads(manifest.read_text()) == want:
                 return out
-    from transformers import AutoTokenizer
-
     from rollout_testbed.local.tiny_model import build
+    from transformers import AutoTokenizer
 
     build(out, adapters=0, force=True)
     tok = AutoTokenizer.from_pretrained(str(out))
