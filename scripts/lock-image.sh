@@ -9,8 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${1:-.venv/bin/python}
-# fastapi: only the simulated replica (testbed/rollout_testbed/sim) uses it; the gateway is Starlette.
-IMAGE_EXCLUDES=${IMAGE_EXCLUDES:-fastapi}
+# Nothing is excluded now that the simulated replica (and FastAPI) live in the testbed.
+IMAGE_EXCLUDES=${IMAGE_EXCLUDES:-}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 IMAGE_EXCLUDES=$IMAGE_EXCLUDES "$py" - "$work" <<'PY'
@@ -23,14 +23,15 @@ from pathlib import Path
 
 work = Path(sys.argv[1])
 project = tomllib.loads(Path("pyproject.toml").read_text())
-excluded = set(os.environ["IMAGE_EXCLUDES"].split())
+excluded = set(os.environ.get("IMAGE_EXCLUDES", "").split())
 name = lambda req: re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0].lower().replace("_", "-")
 runtime = [r for r in project["project"]["dependencies"] if name(r) not in excluded]
 (work / "requirements.in").write_text("\n".join(runtime) + "\n")
 (work / "build-requirements.in").write_text("\n".join(project["build-system"]["requires"]) + "\n")
 pins = [f"{d.metadata['Name']}=={d.version}" for d in m.distributions()]
 (work / "constraints.txt").write_text(
-    "\n".join(p for p in pins if not p.lower().startswith("rollout-gateway=")) + "\n"
+    "\n".join(p for p in pins if not p.lower().startswith(("rollout-gateway=", "rollout-testbed=")))
+    + "\n"
 )
 PY
 for lock in requirements build-requirements; do
