@@ -85,9 +85,11 @@ async def test_slow_429s_eject_then_half_open_trials_back_off_and_close(tmp_path
         print(f"outliers: trial gaps {[round(g, 2) for g in gaps]} s, closed in {closed_at:.2f}s")
         for n, gap in enumerate(gaps[:3]):
             want = EJECTION_S * 2**n
-            # Client-side times: up to a request's two one-way delays early; late by up to
-            # the wait itself on a busy 2-core box (the lower bounds prove the doubling).
-            assert want - 0.1 <= gap <= want + max(0.5, want), (n, gaps)
+            # Client-side times on a busy 2-core box: a response seen late makes the next gap
+            # look short, a trial sent late makes it long. The exact doubling is proven with
+            # the detector's injected clock (tests/test_outliers.py); here, its shape.
+            assert 0.5 * want <= gap <= want + max(0.5, want), (n, gaps)
+        assert gaps[2] > gaps[0], gaps  # the wait grows
         for a, b in itertools.pairwise(trials):
             assert b.sent >= a.done, "two trials were in flight at once"
         assert all(a.status == 200 for a in answers if a.replica != VICTIM)
