@@ -7,9 +7,18 @@ pre-assembled request (head + body, one ``write``) on a pooled connection and pa
 response with ``httptools`` (already installed for uvicorn): ``bench/cpu_per_request.py``
 has the measured difference.
 
-Scope: one request at a time per connection, ``Content-Length`` or chunked responses,
-streaming (SSE) bodies with back-pressure, plain ``http`` and ``https``. Control-plane
-calls (fan-out, probes, adapter loads) keep using aiohttp.
+Scope: one request at a time per connection, ``Content-Length`` or chunked responses
+(or a body ended by the close), streaming (SSE) bodies with back-pressure, plain ``http``
+and ``https``. Control-plane calls (fan-out, probes, adapter loads) keep using aiohttp.
+
+Framing is strict, as a proxy's should be (``tests/test_h1client_differential.py`` checks
+it against aiohttp, case by case): httptools (llhttp) refuses what is ambiguous (duplicate
+or listed ``Content-Length``, ``Content-Length`` with ``Transfer-Encoding``, obs-fold, bare
+LF, bad chunk sizes); interim responses (``100``, ``103``) are skipped, ``101`` refused (no
+request asks for an upgrade); a ``Transfer-Encoding`` other than ``chunked`` is refused
+(the gateway relays bytes, it cannot re-apply a transfer coding it would have to drop);
+``204`` and ``304`` have no body whatever their ``Content-Length`` says; bytes after the
+end of a response never reach it (the response stands, the connection is closed).
 
 Errors, mapped by ``Upstream.send_routed`` the way ``upstream.map_errors`` maps aiohttp's:
 
@@ -40,8 +49,12 @@ _RACE_S = 1.0
 """A reused connection that dies this soon after the send, before any response byte, lost
 the keep-alive race (the replica closed it as the request went out): sent once more. Later
 than that, the replica took the request and died on it; re-sending it there is wrong."""
-_MAX_HEADERS = 100  # upstream response headers, as aiohttp's limits bound them
+_MAX_HEADERS = 100  # upstream response headers: count, and bytes of names and values
 _MAX_HEAD_BYTES = 64 << 10
+_MAX_RAW_HEAD = 2 * _MAX_HEAD_BYTES
+"""Bytes read before the head is complete (status lines, interim responses included):
+httptools buffers a header until its end, so an endless header or status line (or an
+endless run of 1xx) would otherwise be held in memory, never timing out."""
 
 
 class ConnectFailed(OSError):
@@ -204,6 +217,8 @@ class _Conn(asyncio.Protocol):
         self.sent_at = 0.0
         self.idle_since = 0.0
         self.head_bytes = 0
+        self.head_read = 0
+        self.fields: list[tuple[bytes, bytes]] = []
         self.refusal: str | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.paused = False
@@ -226,10 +241,16 @@ class _Conn(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             reason = self.refusal or f"invalid HTTP response from the replica: {exc}"
             self._fail(BrokenResponse(reason))
             self._abort()
+            return
+        if self.headers_ready is not None:  # the head is still arriving: bound it
+            self.head_read += len(data)
+            if self.head_read > _MAX_RAW_HEAD:
+                self._fail(BrokenResponse(f"response head over {_MAX_RAW_HEAD} bytes"))
+                self._abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -252,8 +273,7 @@ class _Conn(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.response is not None
-        headers = self.response.raw_headers
+        headers = self.fields
         headers.append((name, value))
         self.head_bytes += len(name) + len(value)
         if len(headers) > _MAX_HEADERS or self.head_bytes > _MAX_HEAD_BYTES:
@@ -266,7 +286,17 @@ class _Conn(asyncio.Protocol):
         assert response is not None
         parser = self.parser
         assert parser is not None
-        response.status = parser.get_status_code()
+        if self.complete:  # a second message behind the response: never part of it
+            self.refusal = "bytes after the end of the response"
+            raise ValueError(self.refusal)
+        status = parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                self.refusal = "101 Switching Protocols, but no upgrade was asked for"
+                raise ValueError(self.refusal)
+            response.raw_headers = self.fields = []  # interim (100, 103): skipped
+            return
+        response.status = status
         self.keep_alive = parser.should_keep_alive()
         chunked = False
         for name, value in response.raw_headers:
@@ -276,8 +306,16 @@ class _Conn(asyncio.Protocol):
             elif lower == b"content-type":
                 response.content_type = value.partition(b";")[0].strip().lower().decode("latin-1")
             elif lower == b"transfer-encoding":
-                chunked = b"chunked" in value.lower()
+                if chunked or value.strip().lower() != b"chunked":
+                    self.refusal = f"unsupported transfer coding {value[:64]!r}"
+                    raise ValueError(self.refusal)
+                chunked = True
+        if status == 204 or status == 304:
+            response.content_length = 0  # never a body (llhttp reads none either)
         self.until_eof = response.content_length is None and not chunked
+        # Trailers, and the fields of any message behind this one (refused when its head
+        # is complete), go to a scratch list: bounded with the headers, then dropped.
+        self.fields = []
         waiter, self.headers_ready = self.headers_ready, None
         if waiter is not None and not waiter.done():
             waiter.set_result(response)
@@ -287,9 +325,11 @@ class _Conn(asyncio.Protocol):
         self.response._feed(body)
 
     def on_message_complete(self) -> None:
-        self.complete = True
-        assert self.response is not None
-        self.response._finish()
+        response = self.response
+        assert response is not None
+        if response.status:  # 0: the end of an interim response
+            self.complete = True
+            response._finish()
 
     # -- driving ------------------------------------------------------------------------
 
@@ -297,8 +337,10 @@ class _Conn(asyncio.Protocol):
         assert self.transport is not None
         response = H1Response(self)
         self.response = response
+        self.fields = response.raw_headers  # on_header's list: the head's, then trailers'
         self.received = self.complete = self.until_eof = False
-        self.head_bytes, self.refusal = 0, None
+        self.head_bytes = self.head_read = 0
+        self.refusal = None
         self.headers_ready = waiter = self.loop.create_future()
         if self.lost:
             waiter.set_exception(ResetBeforeResponse("replica closed the connection"))
