@@ -1,4 +1,4 @@
-"""Differential test of ``gateway.h1client`` against aiohttp: one corpus of scripted upstream
+"""Differential test of ``gateway.http.h1client`` against aiohttp: one corpus of scripted upstream
 responses (a raw asyncio server on 127.0.0.1 writing exact bytes), each fetched twice by
 ``H1Pool`` and twice by an ``aiohttp.ClientSession`` (the second time on the connection
 the first left, if it was kept: a response that desynchronised it shows there).
@@ -28,8 +28,8 @@ import pytest
 import pytest_asyncio
 
 from gateway.errors import GatewayError
-from gateway.h1client import BrokenResponse, H1Pool, ResetBeforeResponse
-from gateway.upstream import map_errors
+from gateway.http.h1client import BrokenResponse, H1Pool, ResetBeforeResponse
+from gateway.http.upstream import map_errors
 
 
 class Close:

@@ -1,4 +1,4 @@
-"""Differential test of the gateway's fast HTTP path (``gateway.h1server``) against plain
+"""Differential test of the gateway's fast HTTP path (``gateway.http.h1server``) against plain
 uvicorn: one corpus of raw requests, over real 127.0.0.1 sockets, to the same gateway app
 served twice in front of one simulated replica -- once with ``lean_protocol`` (as
 ``rollout-gateway serve`` runs it), once with uvicorn's own ``HttpToolsProtocol``.
@@ -32,13 +32,13 @@ from typing import Any
 import httptools
 import pytest
 import pytest_asyncio
+from rollout_testbed.serve import serve_asgi
+from rollout_testbed.sim.testing import running_sim
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway import h1server
 from gateway.app import create_app
 from gateway.config import load_settings
-from gateway.sim.testing import running_sim
-from gateway.testing import serve_asgi
+from gateway.http import h1server
 
 BODY = json.dumps({"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
 LINE = b"POST /v1/completions HTTP/1.1\r\n"
