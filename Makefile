@@ -8,6 +8,8 @@ VLLM_PY := $(CURDIR)/.venv-vllm/bin/python
 VLLM_PATH := $(CURDIR):$(CURDIR)/testbed
 
 .PHONY: help venv vllm tools lint test test-fast test-container image demo bench bench-soak bench-ceiling bench-trl clean
+.PHONY: bench-overhead bench-routing bench-routing-vllm bench-transport bench-cpu bench-instructions \
+	bench-instructions-ablations bench-train bench-adapters bench-image
 
 help:
 	@echo "make test   - install everything (gateway venv + vLLM venv) and run lint + all tests"
@@ -15,9 +17,21 @@ help:
 	@echo "make test-fast - unit + integration tests only (no real vLLM, no containers)"
 	@echo "make image  - build the sidecar image as localhost/rollout-gateway:dev (podman)"
 	@echo "make test-container - build the image (cached) and test it as a container"
-	@echo "make bench  - run the benchmarks in bench/ and refresh bench/results/"
-	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
+	@echo "make bench  - the quick ones: bench-overhead, bench-routing, bench-transport (~15 min)"
+	@echo "  each bench-* target rewrites exactly its own files in bench/results/:"
+	@echo "make bench-overhead  - added latency and req/s vs vllm-router (overhead.*, <= 5 min)"
+	@echo "make bench-routing   - GRPO co-location and hit rate, simulated (routing.*, ~7 min)"
+	@echo "make bench-routing-vllm - prefix-cache hits on 2 real vLLM replicas (routing_vllm.*)"
+	@echo "make bench-transport - upstream client CPU per request (transport.*, ~3 min)"
 	@echo "make bench-ceiling - max sustained req/s vs vllm-router, with a py-spy profile (<= 15 min)"
+	@echo "                     (bench/results/ceiling/)"
+	@echo "make bench-cpu       - gateway CPU per request, BASE=<commit> vs this tree (cpu_per_request.*)"
+	@echo "make bench-instructions - valgrind instructions per request, BASE vs this tree (instructions.*)"
+	@echo "make bench-instructions-ablations ABLATIONS=\"NAME=TREE ...\" - instructions.ablations.*"
+	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
+	@echo "make bench-train     - LoRA GRPO on CPU, gateway vs direct (train.*, train-*.{jsonl,png})"
+	@echo "make bench-adapters  - adapter load to live on 2 real vLLM replicas (adapters.*)"
+	@echo "make bench-image     - image size, start-up and drain under podman (image.*)"
 	@echo "make bench-trl     - TRL AsyncGRPOTrainer: gateway vs 1 replica vs vllm-router (~15 min)"
 
 $(STAMP): pyproject.toml testbed/pyproject.toml
@@ -61,15 +75,67 @@ test: venv vllm tools lint
 demo: venv vllm
 	$(BIN)/python -m rollout_testbed.demo
 
-bench: venv
+# One target per committed result in bench/results/ (the file the README and docs cite);
+# each rewrites exactly its own files. `make bench` runs the quick ones (gateway venv only).
+bench: bench-overhead bench-routing bench-transport
+
+bench-overhead: venv
 	$(BIN)/python bench/overhead.py
+
+bench-routing: venv
 	$(BIN)/python bench/routing.py
+
+bench-routing-vllm: venv vllm
+	$(BIN)/python bench/routing_vllm.py
+
+bench-transport: venv
+	$(BIN)/python bench/transport.py
 
 bench-soak: venv
 	$(BIN)/python bench/soak.py
 
+# Each product at its default: the gateway's prefix affinity vs vllm-router's cache_aware.
 bench-ceiling: venv
-	$(BIN)/python bench/ceiling.py
+	$(BIN)/python bench/ceiling.py --router-policy cache_aware --out-dir bench/results/ceiling
+
+# A/B of two trees: BASE (a commit) is extracted with git archive, the other is this tree.
+BASE ?= main
+BASE_TREE := $(CURDIR)/.run/bench-base
+define extract_base
+	rm -rf $(BASE_TREE) && mkdir -p $(BASE_TREE)
+	git archive $(BASE) | tar -x -C $(BASE_TREE)
+endef
+
+bench-cpu: venv
+	$(extract_base)
+	$(BIN)/python bench/cpu_per_request.py --variant base=$(BASE_TREE) --variant current=$(CURDIR) \
+	    --rounds 6 --lat-requests 2000 --json bench/results/cpu_per_request.json \
+	    > $(BASE_TREE).md
+	{ echo "# Gateway CPU per request: $(BASE) vs this tree (make bench-cpu BASE=$(BASE))"; \
+	  echo; cat $(BASE_TREE).md; } > bench/results/cpu_per_request.md
+
+bench-instructions: venv
+	$(extract_base)
+	$(BIN)/python bench/instructions.py --variant base=$(BASE_TREE) --variant current=$(CURDIR) \
+	    --json bench/results/instructions.json --md bench/results/instructions.md
+
+# ABLATIONS="NAME=TREE ...": copies of this tree with one piece switched off each
+# (bench/results/instructions.ablations.md lists the ones measured).
+bench-instructions-ablations: venv
+	@test -n "$(ABLATIONS)" || { echo 'set ABLATIONS="NAME=TREE ..."'; exit 2; }
+	$(BIN)/python bench/instructions.py --variant current=$(CURDIR) \
+	    $(foreach a,$(ABLATIONS),--variant $(a)) --lat-requests 0 \
+	    --json bench/results/instructions.ablations.json \
+	    --md bench/results/instructions.ablations.md
+
+bench-train: venv vllm
+	$(BIN)/python bench/train.py
+
+bench-adapters: venv vllm
+	$(BIN)/python bench/adapters.py
+
+bench-image: venv
+	$(BIN)/python bench/image.py
 
 # TRL's real AsyncGRPOTrainer: gateway over 2 replicas vs 1 replica direct vs vllm-router.
 bench-trl: venv vllm

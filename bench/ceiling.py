@@ -36,13 +36,15 @@ share of its core in use (``/proc/PID/task/*/schedstat``) are recorded at every 
 Placement (``--placement split``, as ``bench/overhead.py``): the front under test alone on
 CPU 1; the load client, both upstreams and py-spy on CPU 0.
 
-    .venv/bin/python bench/ceiling.py            # full run, <= 15 min (make bench-ceiling)
+    # the committed result (make bench-ceiling), <= 15 min: each product at its default
+    .venv/bin/python bench/ceiling.py --router-policy cache_aware --out-dir bench/results/ceiling
     .venv/bin/python bench/ceiling.py --quick    # smoke, ~1-2 minutes, writes nothing
     # like for like: both fronts round robin (the gateway's default is prefix affinity)
     .venv/bin/python bench/ceiling.py --gateway-router round_robin --modes non-streaming \
-        --no-passthrough --out-dir bench/results/ceiling-round-robin
+        --no-passthrough --out-dir /tmp/ceiling-round-robin
 
-Writes ``bench/results/ceiling.{json,md,png}`` and ``ceiling-profile.svg`` (``--out-dir``).
+Writes ``ceiling.{json,md,png}``, ``ceiling-profile.svg`` and ``ceiling-profile.raw.txt`` in
+``--out-dir`` (default ``bench/results/ceiling``, the result the docs cite).
 Only processes started here are stopped, by PID; everything binds 127.0.0.1.
 """
 
@@ -1079,7 +1081,7 @@ def render(report: dict[str, Any]) -> str:
         "## Reproduce",
         "",
         "```",
-        ".venv/bin/python bench/ceiling.py            # full run (make bench-ceiling), <= 15 min",
+        "make bench-ceiling   # = bench/ceiling.py --router-policy cache_aware, <= 15 min",
         ".venv/bin/python bench/ceiling.py --quick    # smoke, ~1-2 min, writes nothing",
         "```",
         "",
@@ -1339,7 +1341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-passthrough", action="store_true", help="skip the minimal pass-through front"
     )
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--out-dir", type=Path, default=HERE / "results" / "ceiling")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     if args.quick:

@@ -34,10 +34,11 @@ replica.
 
     .venv/bin/python bench/soak.py        # full run: 30 min steady + 15 min kills (~46 min)
     .venv/bin/python bench/soak.py --minutes 2 --kill-minutes 1 --kill-every 30 \\
-        --concurrency 50 --out bench/results/soak-short          # a short smoke run
+        --concurrency 50 --out /tmp/soak-short     # a short smoke run
 
 Writes ``OUT.json`` (every window, every kill event, verdicts), ``OUT.md`` (tables and a
-verdict per target) and ``OUT.png``. Only processes started here are stopped, by PID.
+verdict per target) and ``OUT.png``; ``--out`` defaults to ``bench/results/soak`` (the result
+the docs cite, ``make bench-soak``). Only processes started here are stopped, by PID.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Learning on CPU, through the gateway and straight against one replica.
 
-    .venv/bin/python bench/train.py [--steps 60] [--max-staleness 2] [--seed 0]
+    .venv/bin/python bench/train.py [--steps 60] [--max-staleness 1] [--seed 0]
 
 Starts 2 real vLLM replicas (tiny local model, one per core, processed logprobs) once,
 then runs the companion driver twice with the same seed and config on the learnable
@@ -10,7 +10,7 @@ then runs the companion driver twice with the same seed and config on the learna
 2. ``direct``: straight against replica 0 (no gateway), the comparison run.
 
 Writes ``bench/results/train-{gateway,direct}.{jsonl,png}``, ``train.json`` (both
-summaries) and ``train.md`` (the table quoted in docs/trainer.md).
+summaries) and ``train.md`` (the table quoted in docs/trainer.md); ``make bench-train``.
 """
 
 from __future__ import annotations
