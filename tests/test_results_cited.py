@@ -9,11 +9,7 @@ history stays in git. A figure from an older run is cited with its commit,
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -92,25 +88,6 @@ def test_every_cited_result_exists() -> None:
         "cited but not in bench/results/ (cite the current result, or the commit whose "
         "tree has it: `bench/results/X` at `<commit>`):\n" + "\n".join(missing)
     )
-
-
-def _git(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
-
-
-def test_every_result_cited_at_a_commit_is_in_that_commit() -> None:
-    historical = [(w, p, c) for w, p, c in citations() if c is not None]
-    assert historical, "the docs cite earlier runs at their commits"
-    if shutil.which("git") is None or _git("rev-parse", "--git-dir").returncode != 0:
-        pytest.skip("not a git checkout")
-    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
-        pytest.skip("shallow clone: older commits are absent")
-    missing = []
-    for where, path, commit in historical:
-        full = path if path.startswith(PREFIX) else PREFIX + path
-        if _git("cat-file", "-e", f"{commit}:{full.rstrip('/')}").returncode != 0:
-            missing.append(f"{where}: {full} at {commit}")
-    assert not missing, "not in that commit's tree:\n" + "\n".join(missing)
 
 
 def test_every_kept_result_is_cited() -> None:
