@@ -2,8 +2,8 @@
 
 ``bench/results/`` holds one current result per question, the one the docs cite; the
 history stays in git. A figure from an older run is cited with its commit,
-"`bench/results/ceiling.md` at `1a01d31`", and must be in that commit's tree
-(``git show 1a01d31:bench/results/ceiling.md``).
+"`bench/results/ceiling.md` at `1a01d31`" (``git show 1a01d31:bench/results/ceiling.md``;
+not checked here, since a clone may lack the history).
 """
 
 from __future__ import annotations
