@@ -59,7 +59,7 @@ def peak_flops_per_device(accelerator: Any, dtype: str) -> float | None:
     ``torch.cuda`` call: the same table lookup and the same log line."""
     from trl.trainer import utils as trl_utils
 
-    peak = trl_utils.get_peak_flops(device_name(accelerator.device), dtype)
+    peak: float | None = trl_utils.get_peak_flops(device_name(accelerator.device), dtype)
     if peak is None:
         trl_utils.logger.info(
             "MFU metrics are disabled because the peak FLOPs are unknown for the local training "

@@ -314,6 +314,15 @@ class RunSpec:
     # TRL's own sync for that step).
     before_pause: Callable[[int], None] | None = None
     on_step_end: Callable[[int], None] | None = None
+    # Append every step log and control call to this JSONL file as it happens, so a run
+    # that is killed (bench/trl_side_by_side.py bounds each run in time) leaves its record.
+    record_path: Path | None = None
+
+
+def _append(path: Path | None, kind: str, record: dict[str, Any]) -> None:
+    if path is not None:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"kind": kind, **record}, default=str) + "\n")
 
 
 @dataclass
@@ -431,9 +440,13 @@ def recorded_client(result: RunResult, spec: RunSpec) -> Iterator[None]:
             try:
                 out = orig(self, *args, **kwargs)
             except BaseException as exc:
-                result.calls.append(CallRecord(method, arg, t0, time.time() - t0, repr(exc)[:300]))
+                rec = CallRecord(method, arg, t0, time.time() - t0, repr(exc)[:300])
+                result.calls.append(rec)
+                _append(spec.record_path, "call", vars(rec))
                 raise
-            result.calls.append(CallRecord(method, arg, t0, time.time() - t0, None))
+            rec = CallRecord(method, arg, t0, time.time() - t0, None)
+            result.calls.append(rec)
+            _append(spec.record_path, "call", vars(rec))
             if method == "load_lora_adapter":
                 path = str(args[1]) if len(args) > 1 else str(kwargs.get("lora_path", ""))
                 seen: list[bool | None] = []
@@ -443,6 +456,7 @@ def recorded_client(result: RunResult, spec: RunSpec) -> Iterator[None]:
                     except OSError:
                         seen.append(None)
                 result.sync_seen[arg] = seen
+                _append(spec.record_path, "seen", {"name": arg, "seen": seen})
             return out
 
         wrapper.__name__ = orig.__name__
@@ -480,6 +494,7 @@ def run_trl(spec: RunSpec, model_dir: Path = MODEL_DIR) -> RunResult:
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
             if logs:
                 result.logs.append({"step": state.global_step, "t": time.time(), **logs})
+                _append(spec.record_path, "log", result.logs[-1])
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if spec.on_step_end is not None:

