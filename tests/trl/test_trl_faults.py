@@ -55,7 +55,10 @@ from tests.trl.harness import (
 )
 
 ORDER = 2
-pytestmark = pytest.mark.timeout(1200)
+# A normal fault run takes 1-3 min. The bound matters: when TRL's rollout child dies,
+# TRL's own AsyncRolloutWorker.stop() never returns (mp.Event.set() waits for the dead
+# child's watcher thread), so pytest-timeout is what ends such a test.
+pytestmark = pytest.mark.timeout(600)
 
 TRL_CONTROL_TIMEOUT_S = 1800  # VLLMClient.pause / resume / load / unload
 TRL_ROLLOUT_TIMEOUT_S = 600  # AsyncGRPOConfig.request_timeout (per attempt)
@@ -123,15 +126,32 @@ def test_fresh_trl_run_restarts_at_v1_over_fleet_with_earlier_adapters(fleet: La
 
 
 def test_gateway_restarted_between_two_syncs(fleet: Layer) -> None:
+    """The gateway process is stopped (SIGTERM) and started again on the same port after
+    sync 3. TRL's rollouts in flight meet refused connections and retry (backoff 1 s, 2 s,
+    then 1, 2, 4 ... 16 s, identical payload), so a rollout comes back only seconds later,
+    still naming the version it started with. Before sync 4 the trainer waits (bounded)
+    until the new gateway has answered 16 rollouts (TRL keeps 8 in flight): on this CPU box
+    a step takes ~2 s, and with max_staleness 1 two quick syncs evict the version a
+    retrying rollout names; it then gets 404 on each of its 90 attempts (~8 min) and TRL's
+    rollout worker dies (seen in a run without this wait). On real hardware a step takes
+    far longer than a gateway restart."""
     info: dict[str, object] = {}
+    ok_label = 'route="routed",status_class="2xx"'
 
     def on_step_end(step: int) -> None:
         if step == 3:  # after sync 3 (v3 live), before sync 4
             info["live_before"] = fleet.gateway.live_adapters()
             info["restart_s"] = round(fleet.gateway.restart(), 2)
             info["live_after"] = fleet.gateway.live_adapters()
+            t0 = time.monotonic()
+            wait_for(lambda: fleet.gateway_metric("gateway_requests_total", ok_label) >= 16,
+                     60, "TRL's retried rollouts to be answered by the new gateway")  # fmt: skip
+            info["rollouts_back_after_s"] = round(time.monotonic() - t0, 2)
 
     res = run_trl(fleet.spec("gateway-restart", FAULT_STEPS, on_step_end=on_step_end))
+    info["routed_4xx_after_restart"] = fleet.gateway_metric(
+        "gateway_requests_total", 'route="routed",status_class="4xx"'
+    )
     report(res, **info)
     assert_completed(res)
     assert "restart_s" in info, "the restart hook did not run"
@@ -185,6 +205,7 @@ def test_replica_hangs_during_a_sync(fleet: Layer) -> None:
     assert_fleet_holds_window(fleet, res, [0, 1])
 
 
+@pytest.mark.timeout(900)  # includes a replica restart (40-120 s)
 def test_replica_killed_just_before_pause(fleet: Layer) -> None:
     """Replica 0 is SIGKILLed right before sync 3's /pause, restarted in the background,
     and must be reconciled by the gateway and serve rollouts again before the run ends."""

@@ -25,7 +25,7 @@ ORDER = 1
 STEPS = 50
 
 
-@pytest.mark.timeout(1500)  # includes the layer's start (2 replicas: 1-3 min)
+@pytest.mark.timeout(1200)  # includes the layer's start (2 replicas: 1-3 min)
 def test_trl_async_grpo_lora_through_gateway(fleet: Layer) -> None:
     loads_before = fleet.gateway_metric("gateway_adapter_loads_total", 'outcome="ok"')
     res = run_trl(fleet.spec("happy", STEPS, save_steps=STEPS))
