@@ -272,7 +272,7 @@ def test_replica_killed_during_rollouts(fleet: Layer) -> None:
 
     res = run_trl(fleet.spec("kill-during-rollouts", FAULT_STEPS, on_step_end=on_step_end))
     r0_end = vllm_counters(fleet.urls[0])["vllm:request_success_total"]
-    report(res, **info, r0_served_end=r0_end,
+    report(res, **info, r0_served_end=r0_end, gateway_health=health(fleet.gateway.url),
            ejected=fleet.gateway_metric("gateway_replica_healthy", 'replica="1"') == 0)  # fmt: skip
     assert "killed_at" in info, "the kill hook did not run"
     assert_completed(res)
