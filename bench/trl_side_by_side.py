@@ -376,6 +376,9 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     for r in results:
         if r["rewards"]:
             ax.plot(range(1, len(r["rewards"]) + 1), r["rewards"], label=r["mode"])
+        else:  # a run that never stepped still gets its line in the legend
+            why = _last_line(r["error"] or "")
+            ax.plot([], [], " ", label=f"{r['mode']}: no step ({why})"[:90])
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward (digits)")
     ax.set_title("TRL AsyncGRPOTrainer, same config, four fronts")
