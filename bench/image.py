@@ -37,12 +37,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.container._podman import (  # noqa: E402
-    RUN_FLAGS,
     build_image,
     container,
     inspect,
     podman,
     replica_cmd,
+    run_python,
 )
 from tests.container.test_image import gateway_flags, secret_file  # noqa: E402
 from tests.deploy._proc import free_port, process  # noqa: E402
@@ -78,18 +78,7 @@ def sizes(image: str) -> dict[str, Any]:
         "for size, name in rows[:10]:\n"
         "    print(size, name)\n"
     )
-    out = podman(
-        "run",
-        "--rm",
-        *RUN_FLAGS,
-        "--network=none",
-        "--entrypoint",
-        "python",
-        image,
-        "-I",
-        "-c",
-        script,
-    ).stdout.split("\n")
+    out = run_python(image, script).split("\n")
     venv_total = int(out[0])
     largest = [{"mb": _mb(int(s)), "dir": d} for s, d in (ln.split() for ln in out[1:] if ln)]
     return {

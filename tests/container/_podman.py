@@ -51,6 +51,14 @@ def podman(*args: str, timeout: float = 60, check: bool = True) -> subprocess.Co
     return res
 
 
+def run_python(image: str, script: str) -> str:
+    """``script`` run by the image's own python, isolated (``-I``) and offline; its stdout."""
+    return podman(
+        "run", "--rm", *RUN_FLAGS, "--network=none", "--entrypoint", "python", image,
+        "-I", "-c", script,
+    ).stdout  # fmt: skip
+
+
 def build_image() -> str:
     """The sidecar image, via scripts/build-image.sh (installs podman if missing; cached)."""
     res = subprocess.run(

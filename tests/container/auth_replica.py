@@ -17,12 +17,9 @@ import sys
 from pathlib import Path
 
 import orjson
-import uvicorn
 from rollout_testbed.sim.app import create_sim_app
-from rollout_testbed.sim.server import build_parser, config_from_args
+from rollout_testbed.sim.server import build_parser, config_from_args, serve
 from starlette.types import ASGIApp, Receive, Scope, Send
-
-from gateway.http.serving import listen_socket
 
 
 class RequireToken:
@@ -70,19 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ours, rest = outer.parse_known_args(argv)
     args = build_parser().parse_args(rest)
     app = RequireToken(create_sim_app(config_from_args(args)), ours.token_file.read_text().strip())
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            loop="uvloop",
-            http="httptools",
-            ws="none",
-            lifespan="off",
-            access_log=False,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=5,
-        )
-    )
-    server.run(sockets=[listen_socket(args.host, args.port)])
+    serve(app, args)
     return 0
 
 

@@ -19,12 +19,12 @@ import httpx
 import pytest
 
 from tests.container._podman import (
-    RUN_FLAGS,
     container,
     inspect,
     logs,
     podman,
     replica_cmd,
+    run_python,
     wait_http,
 )
 from tests.deploy._proc import free_port, process
@@ -136,19 +136,7 @@ print(json.dumps({
     "serve": bool(u.find_spec("gateway.cli")) and bool(u.find_spec("gateway.app")),
 }))
 """
-    res = podman(
-        "run",
-        "--rm",
-        *RUN_FLAGS,
-        "--network=none",
-        "--entrypoint",
-        "python",
-        image,
-        "-I",
-        "-c",
-        probe,
-    )
-    found = json.loads(res.stdout.strip().splitlines()[-1])
+    found = json.loads(run_python(image, probe).strip().splitlines()[-1])
     assert found == {"tools": [], "modules": [], "dirs": [], "serve": True}, found
 
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from gateway.http.serving import listen_socket
 from rollout_testbed.sim.app import create_sim_app
 from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.latency import LatencyModel
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["build_parser", "config_from_args", "main", "serve"]
 
 
 def _latency(spec: str) -> LatencyModel:
@@ -81,9 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    serve(create_sim_app(config), args)
+    return 0
+
+
+def serve(app: ASGIApp, args: argparse.Namespace) -> None:
+    """Serve ``app`` (the sim, or a wrapper around it) on ``args.host``:``args.port``."""
     server = uvicorn.Server(
         uvicorn.Config(
-            create_sim_app(config),
+            app,
             loop="uvloop",
             http="httptools",
             ws="none",
@@ -94,4 +101,3 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     server.run(sockets=[listen_socket(args.host, args.port)])
-    return 0
