@@ -87,7 +87,7 @@ async def test_slow_429s_eject_then_half_open_trials_back_off_and_close(tmp_path
             want = EJECTION_S * 2**n
             # Client-side times on a busy 2-core box: a response seen late makes the next gap
             # look short, a trial sent late makes it long. The exact doubling is proven with
-            # the detector's injected clock (tests/test_outliers.py); here, its shape.
+            # the detector's injected clock (tests/fleet/test_outliers.py); here, its shape.
             assert 0.5 * want <= gap <= want + max(0.5, want), (n, gaps)
         assert gaps[2] > gaps[0], gaps  # the wait grows
         for a, b in itertools.pairwise(trials):
