@@ -39,7 +39,7 @@ from gateway.fleet.discovery import Discovery, diff_membership
 from gateway.fleet.outliers import BreakerState, OutlierDetector, OutlierEvent
 from gateway.fleet.replicas import ReplicaPool, Transition
 from gateway.fleet.retry_budget import RetryBudget
-from gateway.http.relay import ClientDisconnected
+from gateway.http.disconnect import ClientDisconnected
 from gateway.http.upstream import (
     BufferedResponse,
     ReplicaConnectError,

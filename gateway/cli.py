@@ -156,7 +156,7 @@ def serve(argv: Sequence[str]) -> int:
     config = uvicorn.Config(
         app,
         loop="uvloop",
-        http=lean_protocol(app.lean),  # rollouts lean, every other connection uvicorn's httptools
+        http=lean_protocol(app.serve),  # rollouts lean, every other connection uvicorn's httptools
         access_log=False,
         proxy_headers=False,  # the gateway is the edge of its pod; no X-Forwarded-* trust
         log_config=None,

@@ -16,9 +16,10 @@ from gateway.api.responses import error_response
 from gateway.api.rollout import admit, dispatch, plan_rollout
 from gateway.api.routes import ROUTED_PATHS
 from gateway.errors import GatewayError
-from gateway.http.h1server import LeanExchange
+from gateway.http.disconnect import ClientDisconnected
+from gateway.http.exchange import AsgiExchange, Exchange
 from gateway.http.inbound import Inbound
-from gateway.http.relay import ClientDisconnected, DisconnectGuard, RelayResponse
+from gateway.http.relay import RelayResponse
 from gateway.metrics import RouteKind
 
 if TYPE_CHECKING:
@@ -30,8 +31,9 @@ log = logging.getLogger("gateway.api")
 
 class FastPath:
     """Outer ASGI app: header limits for every request, and ``POST`` to a ROUTED path
-    skips Starlette's router and middleware; ``lean`` serves the rollouts that
-    ``gateway.http.h1server`` read, without ASGI at all.
+    skips Starlette's router and middleware; ``serve`` is the one path of every rollout,
+    the ones ``gateway.http.h1server`` read (without ASGI at all) and the ones uvicorn
+    read.
 
     Rollouts are the gateway's whole load; on 2 cores the proxy's CPU per request is its
     throughput, and the generic stack (route matching, two exception middlewares wrapping
@@ -54,13 +56,7 @@ class FastPath:
             await self.app(scope, receive, send)
             return
         if scope["method"] == "POST" and scope["path"] in ROUTED_PATHS:
-            response, client = await self.respond(Inbound.from_scope(scope, receive))
-            try:
-                if response is not None:
-                    await response(scope, receive, send)
-            finally:
-                if client is not None:
-                    self.gateway.admission.leave(client)
+            await self.serve(AsgiExchange(scope, receive, send))
             return
         try:
             check_headers(scope["headers"], self.gateway.settings)
@@ -69,18 +65,15 @@ class FastPath:
             return
         await self.app(scope, receive, send)
 
-    async def lean(self, exchange: LeanExchange) -> None:
-        """``gateway.http.h1server``'s handler: a rollout it read, answered in one write when
-        the response is complete (its headers are the gateway's own or ones its parser
-        accepted, see ``LeanExchange.respond``); a stream is relayed chunk by chunk
-        (``RelayResponse.stream_to``); while writing is paused, the ASGI way."""
-        if exchange.gone:
+    async def serve(self, exchange: Exchange) -> None:
+        """One rollout, whichever protocol read it (``gateway.http.exchange``): on
+        ``gateway.http.h1server``'s connections a complete response goes out in one write
+        (its headers are the gateway's own or ones its parser accepted), a stream chunk by
+        chunk (``RelayResponse.stream_to``); otherwise, and while writing is paused, the
+        ASGI way."""
+        inbound = exchange.inbound()
+        if inbound is None:
             return
-        task = exchange.task
-        inbound = Inbound(
-            "POST", exchange.path, exchange.raw_path, b"", exchange.headers, exchange.client,
-            task, DisconnectGuard(task, lost=exchange.lost), body=exchange.body,
-        )  # fmt: skip
         response, client = await self.respond(inbound)
         try:
             if response is None:
@@ -90,7 +83,7 @@ class FastPath:
             elif not exchange.respond(
                 response.status_code, response.raw_headers, bytes(response.body)
             ):
-                await response(_LEAN_SCOPE, exchange.receive, exchange.send)
+                await response(_SCOPE, exchange.receive, exchange.send)
         finally:
             if client is not None:
                 self.gateway.admission.leave(client)
@@ -133,5 +126,5 @@ class FastPath:
         return error_response(exc)
 
 
-# What a response sent the ASGI way over a lean connection reads of its scope.
-_LEAN_SCOPE: Scope = {"type": "http"}
+# What a whole response sent the ASGI way reads of its scope.
+_SCOPE: Scope = {"type": "http"}

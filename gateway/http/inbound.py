@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope
 
-from gateway.http.relay import DisconnectGuard
+from gateway.http.disconnect import DisconnectGuard
 
 __all__ = ["Inbound"]
 

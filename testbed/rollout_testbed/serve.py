@@ -46,7 +46,7 @@ async def serve_asgi(
     sock = listen_socket("127.0.0.1", port)
     bound = sock.getsockname()[1]
     if http is None and isinstance(app, FastPath):
-        http = lean_protocol(app.lean)
+        http = lean_protocol(app.serve)
     cert, key = tls or (None, None)
     config = uvicorn.Config(
         app, http=http or "httptools", log_config=None, access_log=False, lifespan="on",
