@@ -1,4 +1,4 @@
-"""``relay.DisconnectGuard``: the client leaving cancels the wait, and nothing else does."""
+"""``disconnect.DisconnectGuard``: the client leaving cancels the wait, and nothing else does."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.http.relay import ClientDisconnected, DisconnectGuard
+from gateway.http.disconnect import ClientDisconnected, DisconnectGuard
 
 
 def _current() -> asyncio.Task[Any]:
