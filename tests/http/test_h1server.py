@@ -15,7 +15,8 @@ from rollout_testbed.serve import serve_asgi
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.http import h1server
-from gateway.http.h1server import LeanExchange, lean_protocol
+from gateway.http.exchange import LeanExchange
+from gateway.http.h1server import lean_protocol
 from tests.cluster import Cluster, cluster
 
 BODY = json.dumps({"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
