@@ -13,8 +13,9 @@ from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.state import SimState
 
 from gateway.api import FastPath
-from gateway.app import Gateway, create_app
+from gateway.app import create_app
 from gateway.config import load_settings
+from gateway.core import Gateway
 
 
 @dataclass

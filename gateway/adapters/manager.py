@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -34,13 +33,20 @@ from typing import Any, NamedTuple
 import orjson
 
 from gateway.adapters import fanout
+from gateway.adapters.checks import (
+    check_capacity,
+    check_path,
+    load_error,
+    parse_models,
+    replica_list,
+    require_str,
+)
 from gateway.adapters.state import (
     LOST,
     Action,
     AdapterPolicy,
     AdapterRegistry,
     AdapterState,
-    Failure,
     ListedAdapter,
     ReplicaState,
     Result,
@@ -49,14 +55,12 @@ from gateway.adapters.state import (
 )
 from gateway.errors import (
     BadRequest,
-    BroadcastFailed,
     GatewayError,
     NotFound,
-    UpstreamTimeout,
     UpstreamUnavailable,
 )
 
-__all__ = ["AdapterManager", "AdapterReply", "check_capacity", "check_path", "parse_models"]
+__all__ = ["AdapterManager", "AdapterReply"]
 
 log = logging.getLogger("gateway.adapters")
 
@@ -70,118 +74,6 @@ class AdapterReply(NamedTuple):
     status: int
     media_type: str
     content: bytes
-
-
-# ------------------------------------------------------------------ pure helpers
-
-
-_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def _require_str(body: Mapping[str, Any], key: str) -> str:
-    """A string field. Control characters are refused at once: a NUL breaks path
-    handling, a CR/LF would split log lines, and vLLM would answer either with a 404
-    that the mount-lag retry waits out for the whole deadline."""
-    value = body.get(key)
-    if value is not None and not isinstance(value, str):
-        raise BadRequest(f"'{key}' must be a string.", param=key)
-    if value and _CONTROL_CHARS.search(value):
-        raise BadRequest(f"'{key}' must not contain control characters.", param=key)
-    return value or ""
-
-
-def parse_models(content: bytes) -> tuple[list[ListedAdapter], list[str]]:
-    """A replica's ``/v1/models``: (adapters, base model ids). Adapters have a parent."""
-    data = orjson.loads(content)
-    adapters, bases = [], []
-    for entry in data.get("data", []) if isinstance(data, dict) else []:
-        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
-            continue
-        if entry.get("parent"):
-            adapters.append(ListedAdapter(entry["id"], str(entry.get("root") or "")))
-        else:
-            bases.append(entry["id"])
-    return adapters, bases
-
-
-def check_path(path: str, roots: Sequence[Path]) -> None:
-    """Raise BadRequest unless ``path`` resolves (symlinks included) inside a root.
-
-    Blocking filesystem I/O: call it in a thread. Relative paths are refused, since the
-    replica would resolve them against its own working directory, not ours.
-    """
-    if not roots:
-        return
-    candidate = Path(path)
-    if not candidate.is_absolute():
-        raise BadRequest("'lora_path' must be an absolute path.", param="lora_path")
-    try:
-        resolved = candidate.resolve(strict=False)
-    except (OSError, ValueError) as exc:  # a symlink loop, a name too long
-        raise BadRequest(f"'lora_path' cannot be resolved ({exc.__class__.__name__}).",
-                         param="lora_path") from None  # fmt: skip
-    if not any(resolved.is_relative_to(root.resolve(strict=False)) for root in roots):
-        raise BadRequest(
-            f"'lora_path' {path!r} is outside the allowed adapter roots.", param="lora_path"
-        )
-
-
-def check_capacity(infos: Mapping[int, Mapping[str, Any]], max_staleness: int | None) -> list[str]:
-    """Warnings for replicas whose LoRA slots cannot hold the staleness window.
-
-    TRL itself needs ``max_loras >= max_staleness + 2`` (the window plus the version
-    being loaded); vLLM's host cache (``max_cpu_loras``, default ``max_loras``) must hold
-    as many, or registered adapters are evicted and re-read from disk on every use.
-    """
-    if max_staleness is None:
-        return []
-    need = max_staleness + 2
-    warnings = []
-    for r, info in sorted(infos.items()):
-        lora = (info.get("vllm_config") or {}).get("lora_config")
-        if not isinstance(lora, Mapping):
-            warnings.append(f"replica {r} reports no lora_config: runtime LoRA is disabled")
-            continue
-        max_loras = lora.get("max_loras")
-        cpu = lora.get("max_cpu_loras") or max_loras
-        if isinstance(max_loras, int) and max_loras < need:
-            warnings.append(f"replica {r}: max_loras={max_loras} < max_staleness+2={need}")
-        if isinstance(cpu, int) and cpu < need:
-            warnings.append(f"replica {r}: max_cpu_loras={cpu} < max_staleness+2={need}")
-    return warnings
-
-
-def _replicas(indices: Iterable[int]) -> str:
-    items = sorted(indices)
-    return ("replica " if len(items) == 1 else "replicas ") + ", ".join(map(str, items))
-
-
-def _error(settled: Settlement, path: str, deadline: float, replaced: bool) -> GatewayError:
-    name = settled.name
-    undo = ""
-    if replaced:
-        undo = " The previous weights of this name keep serving."
-    elif settled.rolled_back:
-        undo = f" Rolled back on {_replicas(settled.rolled_back)}."
-    failed = [r for r, _ in settled.failures]
-    if settled.failure is Failure.NO_REPLICAS:
-        return UpstreamUnavailable(
-            f"No healthy replica to load LoRA adapter '{name}' onto.",
-            headers={"Retry-After": "2"},
-        )
-    if settled.failure is Failure.NOT_FOUND_TIMEOUT:
-        # Never 404: TRL reads a 404 here as "runtime LoRA updating is disabled".
-        return UpstreamTimeout(
-            f"Loading LoRA adapter '{name}' timed out: {_replicas(failed)} still found no "
-            f"adapter at {path!r} after {deadline:g}s (shared filesystem not caught up?)." + undo
-        )
-    reasons = "; ".join(
-        f"replica {r}: " + (f"HTTP {res.status}: " if res.status else "") + res.detail
-        for r, res in settled.failures
-    )
-    return BroadcastFailed(
-        f"Loading LoRA adapter '{name}' failed on {_replicas(failed)} ({reasons})." + undo
-    )
 
 
 # ------------------------------------------------------------------------ facade
@@ -234,8 +126,8 @@ class AdapterManager:
     # ---------------------------------------------------------------- routes
 
     async def load(self, body: Mapping[str, Any]) -> AdapterReply:
-        name = _require_str(body, "lora_name")
-        path = _require_str(body, "lora_path")
+        name = require_str(body, "lora_name")
+        path = require_str(body, "lora_path")
         if not name or not path:
             raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.")
         inplace = body.get("load_inplace", False)
@@ -264,22 +156,25 @@ class AdapterManager:
             # All or nothing: too few replicas left to call it loaded; take it back.
             self.executor.submit(core.request_unload(name, self._clock()))
             raise UpstreamUnavailable(
-                f"LoRA adapter '{name}' reached only {_replicas(settled.replicas)}, fewer "
+                f"LoRA adapter '{name}' reached only {replica_list(settled.replicas)}, fewer "
                 f"than the {self.quorum()} required; unloaded again.",
                 headers={"Retry-After": "2"},
             )
         if settled.ok:
             log.info(
-                "adapter %s live on %s in %.3fs", name, _replicas(settled.replicas), settled.seconds
+                "adapter %s live on %s in %.3fs",
+                name,
+                replica_list(settled.replicas),
+                settled.seconds,
             )
             message = f"Success: LoRA adapter '{name}' added successfully."
             return AdapterReply(200, TEXT, message.encode())
-        error = _error(settled, path, self.policy.load_deadline_s, replaced)
+        error = load_error(settled, path, self.policy.load_deadline_s, replaced)
         log.warning("adapter %s not loaded: %s", name, error.message)
         raise error
 
     async def unload(self, body: Mapping[str, Any]) -> AdapterReply:
-        name = _require_str(body, "lora_name")
+        name = require_str(body, "lora_name")
         if not name:
             raise BadRequest("'lora_name' needs to be provided to unload a LoRA adapter.")
         state = self.core.adapter_state(name)

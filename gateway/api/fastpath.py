@@ -23,7 +23,7 @@ from gateway.http.relay import RelayResponse
 from gateway.metrics import RouteKind
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.core import Gateway
 
 
 log = logging.getLogger("gateway.api")

@@ -17,7 +17,7 @@ from gateway.http.upstream import (
 )
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.core import Gateway
 
 
 _JSON = "application/json"

@@ -45,7 +45,7 @@ from gateway.metrics import RouteKind
 from gateway.routing.policy import CandidateLoads, RouteRequest
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.core import Gateway
 
 
 _NONE: frozenset[int] = frozenset()

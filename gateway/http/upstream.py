@@ -36,7 +36,8 @@ from yarl import URL
 from gateway.config import Settings
 from gateway.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.fleet.replicas import ReplicaPool
-from gateway.http.h1client import ConnectFailed, H1Pool, H1Response, ResetBeforeResponse
+from gateway.http.h1client import H1Pool
+from gateway.http.h1response import ConnectFailed, H1Response, ResetBeforeResponse
 
 __all__ = [
     "BufferedResponse",

@@ -14,7 +14,8 @@ from rollout_testbed.sim.app import create_sim_app
 from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.state import SimState
 
-from gateway.adapters.manager import AdapterManager, check_capacity, parse_models
+from gateway.adapters.checks import check_capacity, parse_models
+from gateway.adapters.manager import AdapterManager
 from gateway.adapters.state import AdapterPolicy, ReplicaState
 from gateway.config import load_settings
 from gateway.errors import BadRequest, BroadcastFailed, NotFound, UpstreamTimeout

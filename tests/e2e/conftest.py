@@ -48,8 +48,9 @@ from rollout_testbed.local.vllm_env import (
 from rollout_testbed.serve import serve_asgi
 
 from gateway.api import FastPath
-from gateway.app import Gateway, create_app
+from gateway.app import create_app
 from gateway.config import load_settings
+from gateway.core import Gateway
 from trainer.payload import build_payload
 
 T = TypeVar("T")

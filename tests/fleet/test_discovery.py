@@ -21,7 +21,8 @@ import uvicorn
 from rollout_testbed.serve import serve_asgi
 from rollout_testbed.sim.app import create_sim_app
 
-from gateway.app import Gateway, create_app
+from gateway.app import create_app
+from gateway.core import Gateway
 from gateway.config import ReplicaSpec, load_settings
 from gateway.fleet.discovery import (
     DnsError,

@@ -11,7 +11,8 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from gateway.http.h1client import BrokenResponse, ConnectFailed, H1Pool, ResetBeforeResponse
+from gateway.http.h1client import H1Pool
+from gateway.http.h1response import BrokenResponse, ConnectFailed, ResetBeforeResponse
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n"

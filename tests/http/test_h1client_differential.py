@@ -28,7 +28,8 @@ import pytest
 import pytest_asyncio
 
 from gateway.errors import GatewayError
-from gateway.http.h1client import BrokenResponse, H1Pool, ResetBeforeResponse
+from gateway.http.h1client import H1Pool
+from gateway.http.h1response import BrokenResponse, ResetBeforeResponse
 from gateway.http.upstream import map_errors
 
 
