@@ -80,11 +80,10 @@ from overhead import (  # noqa: E402
     PY,
     Fleet,
     cpu_ns,
-    free_port,
     med,
     start_vllm_router,
-    wait_ready,
 )
+from rollout_testbed.procs import free_port, wait_http  # noqa: E402
 
 CONNECTIONS = 64
 STREAM_TOKENS = 16
@@ -576,7 +575,7 @@ def fleet_up(
             )
             ups.append((f"http://127.0.0.1:{port}", proc))
         for url, proc in ups:
-            wait_ready(url + "/health", proc)
+            wait_http(url + "/health", proc=proc, timeout=30)
         up_urls = [u for u, _ in ups]
         fronts = {"direct": up_urls[0]}
         pids = {"direct": ups[0][1].popen.pid}
@@ -614,12 +613,12 @@ def fleet_up(
         if started is not None:
             router, fronts["vllm-router"] = started
             pids["vllm-router"] = router.popen.pid
-        wait_ready(fronts["gateway"] + "/health", gw)
+        wait_http(fronts["gateway"] + "/health", proc=gw, timeout=30)
         if passthrough is not None:
-            wait_ready(fronts["passthrough"] + "/health", passthrough)
-        wait_ready(fronts["floor"] + "/health", floor)
+            wait_http(fronts["passthrough"] + "/health", proc=passthrough, timeout=30)
+        wait_http(fronts["floor"] + "/health", proc=floor, timeout=30)
         if router is not None:
-            wait_ready(fronts["vllm-router"] + "/health", router, timeout=60)
+            wait_http(fronts["vllm-router"] + "/health", proc=router, timeout=60)
         yield fleet, fronts, pids
     finally:
         fleet.stop_all()

@@ -29,28 +29,21 @@ started here are stopped, by PID.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from rollout_testbed.procs import Proc, free_port, stop_all
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 CLIENT_CPU, FRONT_CPU = 0, 1
 _TICK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pin(cpu: int) -> Callable[[], None] | None:
@@ -66,32 +59,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK  # fields 14, 15 of stat(5)
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as resp:
-            if resp.status == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready after {timeout}s")
-
-
-@contextlib.contextmanager
-def started(procs: list[subprocess.Popen[bytes]]) -> Iterator[list[subprocess.Popen[bytes]]]:
-    try:
-        yield procs
-    finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in reversed(procs):
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
+def _start(name: str, argv: list[str], cpu: int, **kw: Any) -> Proc:
+    """A child pinned to ``cpu``, its output on ours, signalled by PID (no session)."""
+    proc = Proc(name, argv, preexec_fn=_pin(cpu), new_session=False, inherit_output=True, **kw)
+    return proc.start()
 
 
 def loadgen(
@@ -149,25 +120,26 @@ def main(argv: list[str] | None = None) -> int:
     variants = dict(v.split("=", 1) for v in args.variant)
 
     up_port = free_port()
-    procs: list[subprocess.Popen[bytes]] = []
-    with started(procs):
+    procs: list[Proc] = []
+    try:
         up_cmd = [PY, str(HERE / "instant_upstream.py"), "--port", str(up_port)]
         if args.stream:
             up_cmd = [PY, str(HERE / "ceiling.py"), "_upstream", "--port", str(up_port)]
-        procs.append(subprocess.Popen(up_cmd, preexec_fn=_pin(CLIENT_CPU)))
         up = f"http://127.0.0.1:{up_port}"
-        wait_ready(up + "/health", procs[-1])
+        procs.append(_start("upstream", up_cmd, CLIENT_CPU, url=up))
+        procs[-1].wait_http("/health", timeout=30)
         fronts: dict[str, tuple[str, int]] = {}
         for name, tree in variants.items():
             port = free_port()
             env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
             cmd = [PY, "-m", "gateway", "serve", "--replica", up, "--port", str(port)]
             cmd += ["--log-level", "warning"]
-            p = subprocess.Popen(cmd, env=env, cwd=tree, preexec_fn=_pin(FRONT_CPU))
+            url = f"http://127.0.0.1:{port}"
+            p = _start(name, cmd, FRONT_CPU, url=url, env=env, cwd=tree)
             procs.append(p)
-            fronts[name] = (f"http://127.0.0.1:{port}", p.pid)
-        for url, pid in fronts.values():
-            wait_ready(url + "/health", next(p for p in procs if p.pid == pid))
+            fronts[name] = (url, p.pid)
+        for p in procs[1:]:
+            p.wait_http("/health", timeout=30)
         for url, _ in fronts.values():  # warm-up: connections, caches, allocator
             loadgen(url, "throughput", 3000, args.concurrency, stream=args.stream)
             if not args.stream:
@@ -187,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows[name].append(row)
                 print(f"round {r + 1} {name}: " + " ".join(f"{k}={v:.3f}" for k, v in row.items()),
                       file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        stop_all(list(reversed(procs)), grace=10, kill_wait=5)
 
     base = names[0]
     med = {n: {k: statistics.median(x[k] for x in rows[n]) for k in rows[n][0]} for n in names}

@@ -27,65 +27,41 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
+import tempfile
 from pathlib import Path
+
+from rollout_testbed.procs import Proc, free_port
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 _TOTAL = re.compile(rb"I\s+refs:\s+([\d,]+)")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
-
-
 def count(tree: Path, upstream: str, requests: int, mode: str) -> int:
     """Instructions of one gateway life: start, ``requests`` rollouts, SIGTERM."""
-    port = _free_port()
+    port = free_port()
     cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"]
     cmd += [PY, "-m", "gateway", "serve", "--replica", upstream, "--port", str(port)]
     cmd += ["--log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stderr=subprocess.PIPE)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(url + "/health", proc, timeout=300)
-        if requests:
-            argv = [PY, str(HERE / "loadgen.py"), "--url", url, "--mode", mode]
-            argv += ["--requests", str(requests), "--max-seconds", "900"]
-            done = subprocess.run(argv, capture_output=True, timeout=1200, check=True)
-            result = json.loads(done.stdout.decode().strip().splitlines()[-1])
-            if result["errors"] or result["requests"] != requests:
-                raise RuntimeError(f"load failed: {result}")
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="instructions-") as tmp:
+        # valgrind's summary and the gateway's output, both into the log file.
+        proc = Proc("gateway", cmd, Path(tmp) / "gateway.log", env=env, cwd=tree, url=url,
+                    new_session=False, append=False)  # fmt: skip
+        with proc:
+            proc.wait_http("/health", timeout=300, interval=0.5)
+            if requests:
+                argv = [PY, str(HERE / "loadgen.py"), "--url", url, "--mode", mode]
+                argv += ["--requests", str(requests), "--max-seconds", "900"]
+                done = subprocess.run(argv, capture_output=True, timeout=1200, check=True)
+                result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+                if result["errors"] or result["requests"] != requests:
+                    raise RuntimeError(f"load failed: {result}")
+            proc.stop(grace=120)
+        err = proc.output().encode()
     found = _TOTAL.search(err)
     if not found:
         raise RuntimeError(f"no valgrind total: {err[-2000:].decode(errors='replace')}")
@@ -106,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 2
     variants = {n: Path(t).resolve() for n, t in (v.split("=", 1) for v in args.variant)}
-    up_port = _free_port()
+    up_port = free_port()
     upstream = f"http://127.0.0.1:{up_port}"
-    up = subprocess.Popen([PY, str(HERE / "instant_upstream.py"), "--port", str(up_port)])
+    up = Proc("upstream", [PY, str(HERE / "instant_upstream.py"), "--port", str(up_port)],
+              url=upstream, new_session=False, inherit_output=True).start()  # fmt: skip
     rows: dict[str, dict[str, float]] = {}
     try:
-        _wait_ready(upstream + "/health", up, timeout=30)
+        up.wait_http("/health", timeout=30, interval=0.5)
         for name, tree in variants.items():
             idle = count(tree, upstream, 0, "throughput")
             row: dict[str, float] = {"idle_instructions": idle}
@@ -123,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = row
             print(name, row, file=sys.stderr, flush=True)
     finally:
-        up.terminate()
-        up.wait(timeout=10)
+        up.stop(grace=10)
 
     base = next(iter(rows))
     lines = [

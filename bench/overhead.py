@@ -40,15 +40,15 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from rollout_testbed.procs import Proc, free_port, stop_all, wait_http
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -61,12 +61,6 @@ CONCURRENCY = 64
 PACED_KINDS = ("paced", "paced_cap")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _affinity(cpus: set[int] | None) -> Callable[[], None] | None:
     if cpus is None or not hasattr(os, "sched_setaffinity"):
         return None
@@ -75,13 +69,6 @@ def _affinity(cpus: set[int] | None) -> Callable[[], None] | None:
         os.sched_setaffinity(0, cpus)
 
     return pin
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
 
 
 @dataclass
@@ -103,44 +90,15 @@ class Fleet:
         env: dict[str, str] | None = None,
         cwd: Path = ROOT,
     ) -> Proc:
-        log = self.log_dir / f"{name}.log"
-        fh = log.open("wb")
-        popen = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_affinity(self.cpus(role)),
-            cwd=cwd,
-            env=env,
-        )
-        fh.close()
-        proc = Proc(name, popen, log)
-        self.procs.append(proc)
+        # SIGTERM to this PID only (no session of its own), output to NAME.log.
+        pin = _affinity(self.cpus(role))
+        proc = Proc(name, argv, self.log_dir / f"{name}.log", env=env, cwd=cwd,
+                    new_session=False, append=False, preexec_fn=pin)  # fmt: skip
+        self.procs.append(proc.start())
         return proc
 
     def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.popen.poll() is None:
-                proc.popen.terminate()  # SIGTERM to this PID only
-        for proc in reversed(self.procs):
-            try:
-                proc.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait(timeout=5)
-
-
-def wait_ready(url: str, proc: Proc, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited early:\n{proc.log.read_text()[-2000:]}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as resp:
-            if resp.status == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{proc.name} not ready at {url} after {timeout}s")
+        stop_all(list(reversed(self.procs)), grace=10, kill_wait=5)
 
 
 def cpu_ns(pid: int) -> int:
@@ -306,7 +264,7 @@ def fleet_up(
             ups.append(proc)
         up_urls = [f"http://127.0.0.1:{p}" for p in up_ports]
         for url, proc in zip(up_urls, ups, strict=True):
-            wait_ready(url + "/health", proc)
+            wait_http(url + "/health", proc=proc, timeout=30)
         fronts: dict[str, str] = {"direct": up_urls[0]}
         pids: dict[str, int] = {"direct": ups[0].popen.pid}
 
@@ -327,7 +285,7 @@ def fleet_up(
             base = fleet.start("gateway-before", argv, "front", env=env, cwd=src)
             fronts["gateway-before"] = f"http://127.0.0.1:{base_port}"
             pids["gateway-before"] = base.popen.pid
-            wait_ready(fronts["gateway-before"] + "/health", base)
+            wait_http(fronts["gateway-before"] + "/health", proc=base, timeout=30)
 
         router = None
         started = None if args.no_router else start_vllm_router(fleet, up_urls)
@@ -335,9 +293,9 @@ def fleet_up(
             router, fronts["vllm-router"] = started
             pids["vllm-router"] = router.popen.pid
 
-        wait_ready(fronts["gateway"] + "/health", gw)
+        wait_http(fronts["gateway"] + "/health", proc=gw, timeout=30)
         if router is not None:
-            wait_ready(fronts["vllm-router"] + "/health", router, timeout=60)
+            wait_http(fronts["vllm-router"] + "/health", proc=router, timeout=60)
         yield fleet, fronts, pids
     finally:
         fleet.stop_all()

@@ -45,10 +45,10 @@ sys.path.insert(0, str(ROOT))
 
 from rollout_testbed.local.replicas import (  # noqa: E402
     ReplicaSet,
-    free_ports,
     start_replicas,
     stop_replicas,
 )
+from rollout_testbed.procs import free_ports  # noqa: E402
 
 from trainer.payload import build_payload  # noqa: E402
 

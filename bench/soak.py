@@ -53,7 +53,6 @@ import platform
 import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -67,6 +66,7 @@ from typing import Any
 import aiohttp
 import orjson
 import uvloop
+from rollout_testbed.procs import Proc, sim_fleet
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -83,75 +83,7 @@ DEFAULT_LATENCY = "prefill=2e-5,decode=2e-2,concurrency=2e-5"
 RSS_LIMIT = 0.05  # the issue's target: RSS growth after warm-up < 5 %
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # --------------------------------------------------------------------------- processes
-
-
-@dataclass
-class Proc:
-    """One child process in its own session (so it never shares our signals)."""
-
-    name: str
-    argv: list[str]
-    log: Path
-    popen: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as fh:
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-                start_new_session=True,
-            )
-
-    @property
-    def pid(self) -> int:
-        assert self.popen is not None
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL this PID (a crash, not a shutdown) and reap it."""
-        if self.alive():
-            assert self.popen is not None
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(timeout=10)
-
-    def stop(self) -> None:
-        if not self.alive():
-            return
-        assert self.popen is not None
-        self.popen.terminate()
-        try:
-            self.popen.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(timeout=5)
-
-
-def wait_http_ok(url: str, proc: Proc, timeout: float = 60.0) -> None:
-    """Poll ``url`` until it answers 200 (blocking; only used before the load starts)."""
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited early:\n{proc.log.read_text()[-2000:]}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as resp:
-            if resp.status == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{proc.name} not ready at {url} after {timeout}s")
 
 
 def rss_kb(pid: int) -> int:
@@ -722,7 +654,7 @@ class Soak:
         out: list[tuple[int, float] | None] = []
         for proc in self.sims:
             try:
-                out.append((proc.pid, cpu_s(proc.pid)) if proc.alive() else None)
+                out.append((proc.pid, cpu_s(proc.pid)) if proc.alive else None)
             except OSError:
                 out.append(None)
         return out
@@ -1524,61 +1456,25 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     log_dir = Path(tempfile.mkdtemp(prefix="soak-"))
     admin_key = secrets.token_hex(16)
-    sim_ports = [free_port() for _ in range(args.replicas)]
-    gw_port = free_port()
-    sims = [
-        Proc(
-            f"sim{i}",
-            [
-                PY,
-                "-m",
-                "gateway",
-                "sim-replica",
-                "--port",
-                str(port),
-                "--latency-model",
-                args.latency_model,
-                "--log-level",
-                "WARNING",
-            ],
-            log_dir / f"sim{i}.log",
-        )
-        for i, port in enumerate(sim_ports)
-    ]
-    gw_argv = [PY, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(gw_port)]
-    for port in sim_ports:
-        gw_argv += ["--replica", f"http://127.0.0.1:{port}"]
-    gw_argv += [
-        "--admin-key-file",
-        str(log_dir / "admin-key"),
-        "--log-level",
-        "WARNING",
-        "--health-interval-s",
-        f"{args.health_interval:g}",
-    ]
     (log_dir / "admin-key").write_text(admin_key)
+    gw_args = ["--host", "127.0.0.1", "--admin-key-file", str(log_dir / "admin-key"),
+               "--log-level", "WARNING",
+               "--health-interval-s", f"{args.health_interval:g}"]  # fmt: skip
     if args.index_capacity > 0:
         routing = {"index_capacity": args.index_capacity, "node_capacity": 4 * args.index_capacity}
         (log_dir / "gateway.yaml").write_text(json.dumps({"routing": routing}))  # JSON is YAML
-        gw_argv += ["--config", str(log_dir / "gateway.yaml")]
-    gateway = Proc("gateway", gw_argv, log_dir / "gateway.log")
+        gw_args += ["--config", str(log_dir / "gateway.yaml")]
+    sim_args = ["--latency-model", args.latency_model, "--log-level", "WARNING"]
     print(f"logs in {log_dir}", file=sys.stderr)
     soak: Soak | None = None
-    # SIGTERM (a stopped run) unwinds through the finally below: the children run in their
-    # own sessions, so nothing else would stop them.
+    # SIGTERM (a stopped run) unwinds through the finally of sim_fleet: the children run in
+    # their own sessions, so nothing else would stop them.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        for proc in sims:
-            proc.start()
-        for proc, port in zip(sims, sim_ports, strict=True):
-            wait_http_ok(f"http://127.0.0.1:{port}/health", proc)
-        gateway.start()
-        wait_http_ok(f"http://127.0.0.1:{gw_port}/health", gateway)
-        soak = Soak(args, sims, sim_ports, gateway, gw_port, admin_key)
+    with sim_fleet(args.replicas, log_dir, sim_args=sim_args, gateway_args=gw_args, cwd=ROOT,
+                   interval=0.1, grace=15) as fleet:  # fmt: skip
+        sim_ports = [p.port for p in fleet.sims]
+        soak = Soak(args, fleet.sims, sim_ports, fleet.gateway, fleet.gateway.port, admin_key)
         uvloop.run(soak.run())
-    finally:
-        for proc in [gateway, *sims]:
-            proc.stop()
     analysis = analyze(soak)
     result = {
         "command": " ".join(

@@ -25,9 +25,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rollout_testbed.demo import run_trainer, start_gateway, stop_process, trainer_args  # noqa: E402
-from rollout_testbed.local.replicas import free_ports, start_replicas, stop_replicas  # noqa: E402
+from rollout_testbed.demo import run_trainer, start_gateway, trainer_args  # noqa: E402
+from rollout_testbed.local.replicas import start_replicas, stop_replicas  # noqa: E402
 from rollout_testbed.local.vllm_env import check_vllm_python  # noqa: E402
+from rollout_testbed.procs import free_ports  # noqa: E402
 
 from trainer.report import plot_curves, read_jsonl  # noqa: E402
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                                  log=args.work / f"trainer-{mode}.log")  # fmt: skip
             finally:
                 if gw is not None:
-                    stop_process(gw)
+                    gw.stop(grace=15)
             summary = json.loads((out / "summary.json").read_text())
             summary["rc"] = rc
             summary["run_s"] = round(time.monotonic() - t, 1)

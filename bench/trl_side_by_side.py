@@ -83,7 +83,7 @@ class Router:
     """vllm-router in its own session, stopped by PGID."""
 
     def __init__(self, policy: str, urls: list[str], log: Path) -> None:
-        from rollout_testbed.local.replicas import free_ports
+        from rollout_testbed.procs import free_ports
 
         self.port, self.mport = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"

@@ -5,38 +5,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from rollout_testbed.procs import Proc, free_port, sim_argv, wait_http
 
 from tests.conftest import CLIENT_KEY, UPSTREAM_TOKEN
 
 PY = sys.executable
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _wait_health(url: str, timeout: float = 20.0, status: int = 200) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == status:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not healthy in {timeout}s")
+    wait_http(f"{url}/health", timeout=timeout, status=status, request_timeout=1.0)
 
 
 def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
@@ -51,19 +35,11 @@ def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
 
 @pytest.fixture
 def sim_replica() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [PY, "-m", "rollout_testbed", "sim-replica", "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(url)
+    with Proc("sim-replica", sim_argv(port, python=PY), url=url, new_session=False) as proc:
+        proc.wait_http("/health", request_timeout=1.0)
         yield url
-    finally:
-        _stop(proc)
 
 
 def test_help_documents_every_flag() -> None:
@@ -103,7 +79,7 @@ def test_serve_without_replicas_fails_clearly() -> None:
 def test_serve_with_env_and_secret_files(sim_replica: str, tmp_path: Path) -> None:
     token_file = tmp_path / "hf_token"
     token_file.write_text(UPSTREAM_TOKEN + "\n")
-    port = _free_port()
+    port = free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")},
         "GATEWAY_REPLICAS": sim_replica,
@@ -137,7 +113,7 @@ def test_serve_with_env_and_secret_files(sim_replica: str, tmp_path: Path) -> No
 
 
 def test_a_replica_down_at_start_is_a_warning_naming_it(sim_replica: str) -> None:
-    port, dead = _free_port(), _free_port()
+    port, dead = free_port(), free_port()
     proc = subprocess.Popen(
         [PY, "-m", "gateway", "serve", "--port", str(port), "--replica", sim_replica,
          "--replica", f"http://127.0.0.1:{dead}", "--log-format", "json"],

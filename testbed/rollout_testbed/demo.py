@@ -34,8 +34,6 @@ import contextlib
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
@@ -45,6 +43,7 @@ import httpx
 
 from gateway.app import create_app
 from gateway.config import load_settings
+from rollout_testbed.procs import Proc, free_port, free_ports, gateway_argv
 from rollout_testbed.serve import serve_asgi
 from rollout_testbed.sim.app import create_sim_app
 from rollout_testbed.sim.config import SimConfig
@@ -179,43 +178,20 @@ def _live_adapters(url: str) -> list[str]:
     return [str(m["id"]) for m in json.loads(body)["data"][1:]]
 
 
-def start_gateway(
-    urls: list[str], max_staleness: int, log: Path
-) -> tuple[subprocess.Popen[bytes], str]:
-    """The gateway as a subprocess of this python (its own process group)."""
-    from rollout_testbed.local.replicas import free_ports, health
-
-    port = free_ports(1)[0]
-    cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port),
-           "--max-staleness", str(max_staleness), "--log-level", "WARNING"]  # fmt: skip
-    for u in urls:
-        cmd += ["--replica", u]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=str(REPO),
-                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+def start_gateway(urls: list[str], max_staleness: int, log: Path) -> tuple[Proc, str]:
+    """The gateway as a subprocess of this python (its own process group); stop it with
+    ``proc.stop(grace=15)``."""
+    port = free_port()
+    extra = ["--max-staleness", str(max_staleness), "--log-level", "WARNING"]
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while health(url) != 200:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_process(proc)
-            raise RuntimeError(f"gateway did not come up; see {log}")
-        time.sleep(0.2)
-    return proc, url
-
-
-def stop_process(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
-    """SIGTERM the process group we started, then SIGKILL after ``grace`` seconds."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
+    proc = Proc("gateway", gateway_argv(port, urls, extra=extra), log, cwd=str(REPO), url=url)
+    proc.start()
     try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        proc.wait_http("/health", timeout=60, interval=0.2)
+    except (RuntimeError, TimeoutError) as exc:
+        proc.stop(grace=15)
+        raise RuntimeError(f"gateway did not come up; see {log}") from exc
+    return proc, url
 
 
 def run_trainer(python: Path, args: list[str], log: Path | None = None,
@@ -225,18 +201,14 @@ def run_trainer(python: Path, args: list[str], log: Path | None = None,
     env.pop("VIRTUAL_ENV", None)
     extra = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + extra if extra else "")
-    out = open(log, "ab") if log else None  # noqa: SIM115
+    proc = Proc("trainer", [str(python), "-m", "trainer", *args], log, env=env, cwd=str(REPO),
+                inherit_output=True)  # fmt: skip
+    proc.start()
+    assert proc.popen is not None
     try:
-        proc = subprocess.Popen([str(python), "-m", "trainer", *args], cwd=str(REPO), env=env,
-                                stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True)  # fmt: skip
-        try:
-            return proc.wait(timeout=timeout)
-        finally:
-            stop_process(proc)
+        return proc.popen.wait(timeout=timeout)
     finally:
-        if out:
-            out.close()
+        proc.stop(grace=15)
 
 
 def ensure_plot(metrics: Path, png: Path, max_staleness: int) -> str | None:
@@ -265,7 +237,6 @@ def run_real(*, replicas: int, steps: int, duration_s: float, max_staleness: int
              out: Path) -> int:  # fmt: skip
     from rollout_testbed.local.replicas import (
         ReplicaError,
-        free_ports,
         start_replicas,
         stop_replicas,
     )
@@ -294,7 +265,7 @@ def run_real(*, replicas: int, steps: int, duration_s: float, max_staleness: int
     except (ReplicaError, OSError) as exc:
         print(f"demo: replicas failed to start: {exc}", file=sys.stderr)
         return 1
-    gw: subprocess.Popen[bytes] | None = None
+    gw: Proc | None = None
     try:
         print(f"[demo] replicas up in {time.monotonic() - t0:.0f} s: {rs.urls}", flush=True)
         gw, url = start_gateway(rs.urls, max_staleness, out / "gateway.log")
@@ -320,7 +291,7 @@ def run_real(*, replicas: int, steps: int, duration_s: float, max_staleness: int
         return 0 if ok else 1
     finally:
         if gw is not None:
-            stop_process(gw)
+            gw.stop(grace=15)
         stop_replicas(rs)
         print(f"[demo] shut down; total {time.monotonic() - t0:.0f} s", flush=True)
 

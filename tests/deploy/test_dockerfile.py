@@ -12,8 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from rollout_testbed.procs import free_port, wait_http
 
-from tests.deploy._proc import REPO, base_env, free_port, process, sim_replica, wait_http
+from tests.deploy._proc import REPO, base_env, process, sim_replica
 from tests.deploy.tools import tool
 
 # The first test to need promtool/hadolint/... may install them (ensure_tools.sh).

@@ -17,9 +17,10 @@ import httpx
 import jsonschema
 import pytest
 import yaml
+from rollout_testbed.procs import free_port
 
 from gateway.config import Settings
-from tests.deploy._proc import REPO, base_env, free_port, sim_replica
+from tests.deploy._proc import REPO, base_env, sim_replica
 from tests.deploy.tools import ensure_tools
 
 # The first test to need promtool/hadolint/... may install them (ensure_tools.sh).

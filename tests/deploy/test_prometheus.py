@@ -16,9 +16,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from rollout_testbed.procs import free_port
 
 from tests.cluster import cluster
-from tests.deploy._proc import REPO, free_port, process
+from tests.deploy._proc import REPO, process
 from tests.deploy.metrics_sample import drive_load, metrics_sample
 from tests.deploy.test_dashboard import expressions as dashboard_expressions
 from tests.deploy.test_dashboard import load as load_dashboard

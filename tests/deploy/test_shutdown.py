@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from rollout_testbed.procs import free_port, wait_http
 
-from tests.deploy._proc import base_env, free_port, process, wait_http
+from tests.deploy._proc import base_env, process
 
 
 def _refused(port: int) -> bool:
@@ -75,7 +76,8 @@ def test_sigterm_drains_in_flight_then_exits_zero(tmp_path: Path) -> None:
     ):
         t_start = time.monotonic()
         wait_http(replica + "/health", timeout=30)
-        model = wait_http(url_a + "/v1/models", timeout=30).json()["data"][0]["id"]
+        wait_http(url_a + "/v1/models", timeout=30)
+        model = httpx.get(url_a + "/v1/models", timeout=5).json()["data"][0]["id"]
         wait_http(url_b + "/health", timeout=30)
         assert model
         t_up = time.monotonic()

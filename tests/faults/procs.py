@@ -9,12 +9,13 @@ restarted.
 * ``fleet(tmp_path, n=...)`` starts ``n`` ``python -m rollout_testbed sim-replica`` processes and
   one ``python -m gateway serve`` with distinctive upstream token, API key and admin key,
   JSON logs and a 0.2 s health interval, and waits until ``/health`` is 200.
-* ``Proc.kill()`` (SIGKILL), ``restart()`` (same port), ``stop()``/``cont()``
-  (SIGSTOP/SIGCONT: the kernel still accepts connections, nobody answers).
+* Each process is a ``rollout_testbed.procs.Proc``: ``kill()`` (SIGKILL), ``restart()``
+  (same port), ``freeze()``/``thaw()`` (SIGSTOP/SIGCONT: the kernel still accepts
+  connections, nobody answers), ``stop()`` (SIGTERM, then SIGKILL).
 * ``Fleet.client`` is an ``httpx.AsyncClient`` whose transport records every response's
   headers and body (streams included, as far as they were read) into a ``Capture``;
   raw-socket tests add what they received with ``Capture.add_raw``. ``CAPTURES`` and
-  ``LOG_FILES`` hold everything of the session, which ``test_secrets`` greps for secrets.
+  ``log_files()`` hold everything of the session, which ``test_secrets`` greps for secrets.
 
 ``python -m tests.faults.procs echo-replica --port P`` runs a minimal raw-socket replica
 that answers with the request line and headers it received, for header-hygiene tests
@@ -32,9 +33,6 @@ import json
 import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -43,19 +41,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from rollout_testbed.procs import Proc, free_ports, gateway_argv, sim_argv
 
 from tests.conftest import ADMIN_KEY, CLIENT_KEY, SECRETS, UPSTREAM_TOKEN
 
 __all__ = [
     "ADMIN",
     "CAPTURES",
-    "LOG_FILES",
     "Capture",
     "Fleet",
-    "Proc",
     "digest",
     "fleet",
-    "free_port",
+    "log_files",
     "metric",
     "wait_until",
 ]
@@ -67,15 +64,13 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 CAPTURES: list[Capture] = []
 """Every ``Capture`` created in this session (responses the suite received)."""
-LOG_FILES: list[Path] = []
-"""Every subprocess log file created in this session."""
+_PROCS: list[Proc] = []
+"""Every process a fleet of this session started."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def log_files() -> list[Path]:
+    """Every subprocess log file created in this session (all incarnations)."""
+    return [log for proc in _PROCS for log in proc.log_files]
 
 
 def digest(value: str) -> str:
@@ -189,102 +184,6 @@ class RecordingTransport(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-# --- processes --------------------------------------------------------------------------
-
-
-@dataclass
-class Proc:
-    """One subprocess we own; restartable on the same argv (hence the same port)."""
-
-    name: str
-    argv: list[str]
-    log_dir: Path
-    env: dict[str, str] | None = None
-    popen: subprocess.Popen[bytes] | None = None
-    incarnation: int = 0
-    stopped: bool = False
-
-    def start(self) -> None:
-        assert self.popen is None or self.popen.poll() is not None, f"{self.name} is running"
-        if self.popen is not None:
-            self.popen.wait()
-        log = self.log_dir / f"{self.name}.{self.incarnation}.log"
-        self.incarnation += 1
-        LOG_FILES.append(log)
-        with log.open("wb") as fh:
-            self.popen = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                start_new_session=True, cwd=ROOT, env=self.env,
-            )  # fmt: skip
-        self.stopped = False
-
-    @property
-    def pid(self) -> int:
-        assert self.popen is not None
-        return self.popen.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def signal(self, sig: signal.Signals) -> None:
-        """Send ``sig`` to this process's own group (its session; nothing else)."""
-        if self.alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL, and reap it (so the port is free for a restart)."""
-        if self.popen is None:
-            return
-        self.signal(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=10)
-        self.stopped = False
-
-    def stop(self) -> None:
-        """SIGSTOP: a hang. The kernel still completes TCP handshakes into the backlog."""
-        self.signal(signal.SIGSTOP)
-        self.stopped = True
-
-    def cont(self) -> None:
-        self.signal(signal.SIGCONT)
-        self.stopped = False
-
-    def terminate(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM, then SIGKILL after ``timeout``; returns the exit status."""
-        if self.popen is None:
-            return None
-        if self.stopped:
-            self.cont()
-        self.signal(signal.SIGTERM)
-        try:
-            return self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return self.popen.returncode
-
-    def restart(self) -> None:
-        """Kill (if alive) and start again with the same argv: same port, fresh state."""
-        self.kill()
-        self.start()
-
-    def logs(self) -> str:
-        return "".join(
-            (self.log_dir / f"{self.name}.{i}.log").read_text("utf-8", "replace")
-            for i in range(self.incarnation)
-        )
-
-
-@dataclass
-class Replica(Proc):
-    port: int = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
 # --- the fleet --------------------------------------------------------------------------
 
 
@@ -303,8 +202,8 @@ def _clean_env(extra: Mapping[str, str]) -> dict[str, str]:
 
 @dataclass
 class Fleet:
-    sims: list[Replica]
-    gateway: Replica
+    sims: list[Proc]
+    gateway: Proc
     client: httpx.AsyncClient
     """Recording client on the gateway, with the client API key."""
     control: httpx.AsyncClient
@@ -318,12 +217,12 @@ class Fleet:
 
     def logs(self) -> str:
         """Everything every process of this fleet wrote, all incarnations."""
-        return "".join(p.logs() for p in [self.gateway, *self.sims])
+        return "".join(p.output() for p in [self.gateway, *self.sims])
 
     def gateway_records(self) -> list[dict[str, Any]]:
         """The gateway's JSON log records (non-JSON lines, e.g. a crash, are kept as text)."""
         records = []
-        for line in self.gateway.logs().splitlines():
+        for line in self.gateway.output().splitlines():
             if not line.strip():
                 continue
             try:
@@ -393,7 +292,7 @@ class Fleet:
     # -- lifecycle --
 
     async def wait_sim_up(self, index: int, timeout: float = 20.0) -> None:
-        await _wait_http_ok(self.control, self.sims[index], "/health", timeout)
+        await self.sims[index].await_http("/health", timeout=timeout)
 
     async def restart_sim(self, index: int, timeout: float = 20.0) -> None:
         self.sims[index].restart()
@@ -404,38 +303,26 @@ class Fleet:
         if kill:
             self.gateway.kill()
         else:
-            self.gateway.terminate()
+            self.gateway.stop()
         self.gateway.start()
-        await _wait_http_ok(self.client, self.gateway, "/health", timeout)
+        await self.gateway.await_http("/health", timeout=timeout)
 
     async def load(self, name: str, path: str | None = None) -> httpx.Response:
         body = {"lora_name": name, "lora_path": path or f"/adapters/{name}"}
         return await self.client.post("/v1/load_lora_adapter", json=body, headers=ADMIN)
 
 
-async def _wait_http_ok(
-    client: httpx.AsyncClient, proc: Replica, path: str, timeout: float
-) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if not proc.alive:
-            raise RuntimeError(f"{proc.name} exited early:\n{proc.logs()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            r = await client.get(f"{proc.url}{path}", timeout=1.0)
-            if r.status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{proc.name} not ready after {timeout}s:\n{proc.logs()[-3000:]}")
-        await asyncio.sleep(0.05)
-
-
-def sim_argv(port: int, latency: str, extra: Sequence[str] = ()) -> list[str]:
-    return [PY, "-m", "rollout_testbed", "sim-replica", "--port", str(port),
-            "--latency-model", latency, "--max-loras", "8", *extra]  # fmt: skip
-
-
 def echo_argv(port: int) -> list[str]:
     return [PY, "-m", "tests.faults.procs", "echo-replica", "--port", str(port)]
+
+
+def _proc(name: str, argv: list[str], log_dir: Path, env: dict[str, str], port: int) -> Proc:
+    """One process of a fleet: its own session, a fresh log file per start (``NAME.N.log``),
+    registered for ``log_files()``."""
+    proc = Proc(name, argv, log_dir / f"{name}.log", env=env, cwd=ROOT,
+                url=f"http://127.0.0.1:{port}", append=False, log_per_start=True)  # fmt: skip
+    _PROCS.append(proc)
+    return proc
 
 
 @contextlib.asynccontextmanager
@@ -460,21 +347,18 @@ async def fleet(
     """
     log_dir = tmp_path / "procs"
     log_dir.mkdir(exist_ok=True)
-    sims: list[Replica] = []
-    for i in range(n):
-        port = free_port()
-        argv = echo_argv(port) if echo else sim_argv(port, latency)
-        sims.append(Replica(f"sim{i}", argv, log_dir, env=_clean_env({}), port=port))
-    gw_port = free_port()
-    argv = [PY, "-m", "gateway", "serve", "--port", str(gw_port),
-            "--upstream-token", UPSTREAM_TOKEN, "--api-key", CLIENT_KEY,
-            "--admin-key", ADMIN_KEY, "--health-interval-s", str(health_interval_s),
-            "--log-format", "json", "--log-level", log_level, *gateway_args]  # fmt: skip
-    for sim in sims:
-        url = sim.url.replace("://", f"://{userinfo}@") if userinfo else sim.url
-        argv += ["--replica", url]
+    sims: list[Proc] = []
+    *sim_ports, gw_port = free_ports(n + 1)
+    for i, port in enumerate(sim_ports):
+        argv = echo_argv(port) if echo else sim_argv(port, latency=latency, max_loras=8)
+        sims.append(_proc(f"sim{i}", argv, log_dir, _clean_env({}), port))
+    urls = [s.url.replace("://", f"://{userinfo}@") if userinfo else s.url for s in sims]
+    extra = ["--upstream-token", UPSTREAM_TOKEN, "--api-key", CLIENT_KEY,
+             "--admin-key", ADMIN_KEY, "--health-interval-s", str(health_interval_s),
+             "--log-format", "json", "--log-level", log_level, *gateway_args]  # fmt: skip
+    argv = gateway_argv(gw_port, urls, extra=extra)
     env = _clean_env({f"GATEWAY_{k.upper()}": str(v) for k, v in (settings or {}).items()})
-    gateway = Replica("gateway", argv, log_dir, env=env, port=gw_port)
+    gateway = _proc("gateway", argv, log_dir, env, gw_port)
     capture = Capture()
     timeout = httpx.Timeout(30.0, connect=5.0)
     transport = RecordingTransport(capture)
@@ -491,13 +375,13 @@ async def fleet(
         for proc in [*sims, gateway]:
             proc.start()
         await asyncio.gather(*(f.wait_sim_up(i) for i in range(n)))
-        await _wait_http_ok(client, gateway, "/health", 20.0)
+        await gateway.await_http("/health", timeout=20.0)
         yield f
         ok = True
     finally:
         for proc in [gateway, *sims]:
-            if proc.stopped:
-                proc.cont()
+            if proc.frozen:
+                proc.thaw()
             proc.kill()
         await client.aclose()
         await control.aclose()

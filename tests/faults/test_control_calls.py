@@ -80,7 +80,7 @@ async def test_a_hung_replica_is_left_out_of_pause_and_resumed_when_it_wakes(
 ) -> None:
     settings = {"health_timeout_s": 0.3, "broadcast_timeout_s": 60}
     async with fleet(tmp_path, 3, health_interval_s=0.2, settings=settings) as f:
-        f.sims[2].stop()  # SIGSTOP: accepts, never answers
+        f.sims[2].freeze()  # SIGSTOP: accepts, never answers
         start = time.monotonic()
         r = await f.client.post(PAUSE, headers=ADMIN)
         took = time.monotonic() - start
@@ -89,7 +89,7 @@ async def test_a_hung_replica_is_left_out_of_pause_and_resumed_when_it_wakes(
         assert not await _healthy(f, 2)
         assert (await f.client.post("/resume", headers=ADMIN)).status_code == 200
 
-        f.sims[2].cont()  # it may now apply the /pause it was left out of
+        f.sims[2].thaw()  # it may now apply the /pause it was left out of
         await wait_until(lambda: _healthy(f, 2), 10, "replica 2 re-admitted")
         await wait_until(lambda: _running(f, 2), 5, "the woken replica resumed like the fleet")
 
@@ -103,14 +103,14 @@ async def test_a_load_with_a_hung_replica_goes_live_on_the_others_and_heals(
 ) -> None:
     settings = {"health_timeout_s": 0.3, "broadcast_timeout_s": 60}
     async with fleet(tmp_path, 3, health_interval_s=0.2, settings=settings) as f:
-        f.sims[2].stop()
+        f.sims[2].freeze()
         start = time.monotonic()
         r = await f.load("pol-v1")
         assert r.status_code == 200, r.text
         assert time.monotonic() - start < 5.0
         assert await f.routable("pol-v1") == [0, 1]
 
-        f.sims[2].cont()
+        f.sims[2].thaw()
         await wait_until(lambda: _adapters_up(f, 2), 15, "replica 2 reconciled")
         assert set(await f.held(2)) == {"pol-v1"}
         assert await f.routable("pol-v1") == [0, 1, 2]

@@ -46,7 +46,7 @@ async def test_sigstopped_replica_is_ejected_and_its_requests_retried(tmp_path: 
             await wait_until(lambda: _ready(f, load), 10, "requests waiting on the victim")
             served_before = [r["served"] for r in (await f.status())["replicas"]]
             stopped_at = time.monotonic()
-            f.sims[VICTIM].stop()
+            f.sims[VICTIM].freeze()
 
             async def ejected() -> bool:
                 nonlocal slowest_scrape
@@ -60,11 +60,11 @@ async def test_sigstopped_replica_is_ejected_and_its_requests_retried(tmp_path: 
             await wait_until(lambda: _victim_idle(f), 2, "no request left on the victim")
             await wait_until(lambda: _served_more(f, served_before), 5, "others absorbing")
             hung_for = time.monotonic() - stopped_at
-            f.sims[VICTIM].cont()
+            f.sims[VICTIM].thaw()
             await wait_until(lambda: f.healthy(VICTIM), 5, "re-admission after SIGCONT")
         finally:
-            if f.sims[VICTIM].stopped:
-                f.sims[VICTIM].cont()
+            if f.sims[VICTIM].frozen:
+                f.sims[VICTIM].thaw()
             outcomes = await load.stop()
 
         bound = UNHEALTHY_THRESHOLD * (HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S)

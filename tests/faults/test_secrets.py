@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import ADMIN_KEY, CLIENT_KEY, SECRETS, UPSTREAM_TOKEN
-from tests.faults.procs import ADMIN, CAPTURES, LOG_FILES, PY, Fleet, fleet, wait_until
+from tests.faults.procs import ADMIN, CAPTURES, PY, Fleet, fleet, log_files, wait_until
 
 URL_PASSWORD = "pw-TESTSECRET-replica-url-3Rt8"  # in every replica URL given to the gateway
 ALL_SECRETS = (*SECRETS, URL_PASSWORD)
@@ -90,13 +90,14 @@ async def test_no_secret_in_any_log_or_response(tmp_path: Path) -> None:
     assert "127.0.0.1" in own  # replicas are logged by host:port, without the userinfo
 
     session = [own]
-    session += [p.read_text("utf-8", "replace") for p in LOG_FILES if p.exists()]
+    logs = log_files()
+    session += [p.read_text("utf-8", "replace") for p in logs if p.exists()]
     session += [c.text() for c in CAPTURES]
     haystack = "\n".join(session)
     leaks = [s for s in ALL_SECRETS if s in haystack]
     where = {s: haystack[max(0, haystack.find(s) - 300) : haystack.find(s)] for s in leaks}
     assert not leaks, f"secrets found: {where}"
-    print(f"secrets: grepped {len(haystack) / 1e3:.0f} kB from {len(LOG_FILES)} log files "
+    print(f"secrets: grepped {len(haystack) / 1e3:.0f} kB from {len(logs)} log files "
           f"and {sum(len(c.items) for c in CAPTURES)} responses")  # fmt: skip
 
 

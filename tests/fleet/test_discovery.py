@@ -18,12 +18,13 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from rollout_testbed.procs import free_port_on
 from rollout_testbed.serve import serve_asgi
 from rollout_testbed.sim.app import create_sim_app
 
 from gateway.app import create_app
-from gateway.core import Gateway
 from gateway.config import ReplicaSpec, load_settings
+from gateway.core import Gateway
 from gateway.fleet.discovery import (
     DnsError,
     DnsTarget,
@@ -238,21 +239,6 @@ async def sim_at(host: str, port: int) -> AsyncIterator[Any]:
         sock.close()
 
 
-def _free_port_on(*hosts: str) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((hosts[0], 0))
-            port = int(s.getsockname()[1])
-        try:
-            for h in hosts[1:]:
-                with socket.socket() as t:
-                    t.bind((h, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no common free port")
-
-
 async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -270,7 +256,7 @@ def _synced(gw: Gateway, index: int) -> bool:
 
 
 async def test_dns_discovery_follows_records_and_moves_traffic(dnslib: Any) -> None:
-    port = _free_port_on("127.0.0.2", "127.0.0.3")
+    port = free_port_on("127.0.0.2", "127.0.0.3")
     zone = Zone(dnslib)
     zone.records["vllm.test"] = ["127.0.0.2"]
     with zone.running():
@@ -346,7 +332,7 @@ async def test_dns_discovery_follows_records_and_moves_traffic(dnslib: Any) -> N
 
 
 async def test_replicas_file_reload_on_change_and_on_sighup(tmp_path: Path) -> None:
-    port = _free_port_on("127.0.0.2", "127.0.0.3")
+    port = free_port_on("127.0.0.2", "127.0.0.3")
     listing = tmp_path / "replicas.txt"
     a, b = f"http://127.0.0.2:{port}", f"http://127.0.0.3:{port}"
     async with sim_at("127.0.0.2", port), sim_at("127.0.0.3", port):

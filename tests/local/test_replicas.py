@@ -19,6 +19,7 @@ from rollout_testbed.local.vllm_env import (
     check_vllm_python,
     find_vllm_python,
 )
+from rollout_testbed.procs import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -204,7 +205,7 @@ def test_missing_vllm_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFix
             "--state-file",
             str(tmp_path / "s.json"),
             "--base-port",
-            str(R.free_ports(1)[0]),
+            str(free_ports(1)[0]),
         ]
     )
     assert rc == 2
@@ -302,14 +303,14 @@ def test_sim_up_status_down_cli(sim_state: Path) -> None:
 
 @pytest.mark.slow
 def test_sim_api_start_stop_in_process(sim_state: Path) -> None:
-    ports = R.free_ports(2)
+    ports = free_ports(2)
     rs = R.start_replicas(2, sim=True, ports=ports, state_file=sim_state, timeout=60)
     try:
         assert rs.urls == [f"http://127.0.0.1:{p}" for p in ports]
         assert len(rs.cold_start_s) == 2
         # A second `up` on the same state file refuses while these are alive.
         with pytest.raises(R.ReplicaError, match="still running"):
-            R.start_replicas(2, sim=True, ports=R.free_ports(2), state_file=sim_state)
+            R.start_replicas(2, sim=True, ports=free_ports(2), state_file=sim_state)
         rows = R.replica_status(rs)
         assert all(row["health"] == 200 and row["processes"] >= 1 for row in rows)
     finally:
@@ -340,7 +341,7 @@ def test_fail_fast_with_log_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(R, "sim_command", crashing)
     t0 = time.monotonic()
     with pytest.raises(R.ReplicaError, match="boom-from-replica") as ei:
-        R.start_replicas(1, sim=True, ports=R.free_ports(1), state_file=tmp_path / "s.json")
+        R.start_replicas(1, sim=True, ports=free_ports(1), state_file=tmp_path / "s.json")
     assert time.monotonic() - t0 < 20
     assert "exited with code 3" in str(ei.value)
     assert not (tmp_path / "s.json").exists()
@@ -353,7 +354,7 @@ def test_health_timeout_stops_the_replica(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(R, "sim_command", sleeper)
     with pytest.raises(R.ReplicaError, match="not healthy after"):
         R.start_replicas(
-            1, sim=True, ports=R.free_ports(1), state_file=tmp_path / "s.json", timeout=2
+            1, sim=True, ports=free_ports(1), state_file=tmp_path / "s.json", timeout=2
         )
     # The sleeper was stopped: nothing with our marker is left.
     assert not (tmp_path / "s.json").exists()

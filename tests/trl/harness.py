@@ -702,6 +702,7 @@ def start_layer(reuse_state: str | None = None) -> Layer:
     """Model dir, 2 replicas (or reused ones, for development), the gateway process."""
     from rollout_testbed.local import replicas as R
     from rollout_testbed.local.vllm_env import check_vllm_python, find_vllm_python
+    from rollout_testbed.procs import free_port
 
     t0 = time.monotonic()
     python = str(check_vllm_python(find_vllm_python(None)))
@@ -720,7 +721,7 @@ def start_layer(reuse_state: str | None = None) -> Layer:
             state_file=TRL_DIR / f"replicas-{os.getpid()}.json", vllm_python=python,
             served_model_name=str(model_dir), extra_args=list(VLLM_EXTRA_ARGS), timeout=600,
         )  # fmt: skip
-    gw = GatewayProcess(rs.urls, port=R.free_ports(1)[0], log_path=TRL_DIR / "gateway.log")
+    gw = GatewayProcess(rs.urls, port=free_port(), log_path=TRL_DIR / "gateway.log")
     layer = Layer(python, model_dir, list(rs.urls), gw, sets=[rs], owned=not reuse_state)
     try:
         gw.start()

@@ -237,20 +237,6 @@ def health(url: str, timeout: float = 2.0) -> int | None:
         return None
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that the kernel reports free right now (ephemeral range)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def free_base_port(n: int, host: str = "127.0.0.1", lo: int = 20000, hi: int = 32000) -> int:
     """A base port such that ``base .. base+n-1`` are all free now (below the ephemeral range)."""
     import random
@@ -489,7 +475,8 @@ def start_replicas(
 ) -> ReplicaSet:
     """Start ``n`` replicas, wait for /health 200, warm them up, write the state file.
 
-    ``ports`` overrides ``base_port`` (replica i gets ``ports[i]``); see ``free_ports``.
+    ``ports`` overrides ``base_port`` (replica i gets ``ports[i]``); see
+    ``rollout_testbed.procs.free_ports``.
     On any failure every replica started so far is stopped before the error propagates.
     Raises VllmNotInstalledError (vLLM missing) or ReplicaError.
     """
