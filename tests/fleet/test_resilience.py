@@ -24,6 +24,15 @@ async def until(predicate: object, timeout: float = 5.0) -> bool:
     return False
 
 
+async def until_reopen(c: Cluster, index: int) -> None:
+    """Until the breaker's own deadline has passed (``reopen_at``, on the clock the gateway
+    passes to the detector as ``now``), instead of a guessed sleep past the ejection time.
+    The gateway reads ``time.monotonic()`` itself, so the HTTP test cannot inject one."""
+    reopen_at = c.gateway.outliers.breaker(index).reopen_at
+    assert reopen_at > 0, "the breaker never opened"
+    await asyncio.sleep(max(0.0, reopen_at - time.monotonic()) + 0.01)
+
+
 def metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name))  # fmt: skip
@@ -41,12 +50,13 @@ async def test_5xx_replica_is_ejected_probed_half_open_and_restored() -> None:
         assert status["replicas"][0]["breaker"] == "open"
         assert status["replicas"][0]["healthy"]  # /health still passes: only outliers see it
         served_before = c.sim(1).stats.requests_by_model.total()
-        await asyncio.sleep(0.65)  # half-open: one trial reaches replica 0 and fails
+        await until_reopen(c, 0)  # half-open: one trial reaches replica 0 and fails
         codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(6)]
         assert codes.count(500) == 1, codes
         assert c.sim(1).stats.requests_by_model.total() == served_before + 5
         c.sim(0).clear_faults()
-        await asyncio.sleep(1.3)  # the re-ejection doubled: 1.2 s
+        assert c.gateway.outliers.breaker(0).ejections == 2  # the re-ejection doubled: 1.2 s
+        await until_reopen(c, 0)
         codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(6)]
         assert codes == [200] * 6
         assert c.gateway.outliers.states()[0] is BreakerState.CLOSED

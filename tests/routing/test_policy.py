@@ -113,7 +113,8 @@ def test_multi_turn_continuation_keeps_replica() -> None:
 
 def test_reasons_no_key_spill_fallback_adapter_constraint() -> None:
     r = router("prefix", n=4, min_load_bound=2, affinity_slack=0)
-    assert r.choose(req([]), views([3, 1, 2, 5])) == r.choose(req([]), views([3, 1, 2, 5]))
+    empty = r.choose(req([]), views([3, 1, 2, 5]))
+    assert (empty.replica, empty.reason) == (1, Reason.NO_KEY)  # no key: the least loaded
     assert r.choose(req([-1]), views([3, 1, 2, 5])).reason is Reason.NO_KEY
     prompt = list(range(500))
     d = r.choose(req(prompt), views([0, 0, 0, 0]))
