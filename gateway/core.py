@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,8 @@ class Gateway:
     tasks: ReplicaTasks = field(default_factory=ReplicaTasks, init=False)
     control: FleetControl = field(init=False)
     _rejoining: dict[int, asyncio.Task[None]] = field(default_factory=dict, init=False)
+    clock: Callable[[], float] = field(default=time.monotonic, init=False)
+    """``now`` for the pure cores that take it (breakers, retry budget): tests set it."""
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -97,7 +99,7 @@ class Gateway:
 
     def routable_or_503(self) -> list[int]:
         """Healthy replicas whose outlier breaker lets a routed request through."""
-        routable = self.outliers.routable(self.healthy_or_503(), time.monotonic())
+        routable = self.outliers.routable(self.healthy_or_503(), self.clock())
         if not routable:
             raise UpstreamUnavailable(
                 "Every healthy replica is ejected for errors.", headers={"Retry-After": "1"}
@@ -106,10 +108,10 @@ class Gateway:
 
     def record_status(self, index: int, status: int) -> None:
         """Feed one routed answer to outlier detection."""
-        event = self.outliers.record(index, status, time.monotonic(), len(self.pool))
+        event = self.outliers.record(index, status, self.clock(), len(self.pool))
         if event is OutlierEvent.EJECTED:
             self.metrics.ejections.labels(str(index), "outlier").inc()
-            until = self.outliers.breaker(index).reopen_at - time.monotonic()
+            until = self.outliers.breaker(index).reopen_at - self.clock()
             log.warning("replica %d (%s) ejected for %.1f s: HTTP %d errors in a row",
                         index, self.pool[index].display, until, status)  # fmt: skip
         elif event is OutlierEvent.RESTORED:

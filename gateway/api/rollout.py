@@ -82,12 +82,12 @@ async def dispatch(
         headers = request_headers(inbound.headers, request_id)
     task, guard = inbound.task, inbound.guard
     remaining = list(candidates)
-    gw.retry_budget.record_request(time.monotonic())
+    gw.retry_budget.record_request(gw.clock())
     retrying = False
     while True:
         if not remaining:
             raise UpstreamUnavailable("No healthy replica could take the request.")
-        if retrying and not gw.retry_budget.try_retry(time.monotonic()):
+        if retrying and not gw.retry_budget.try_retry(gw.clock()):
             gw.metrics.retry_budget_exhausted.inc()
             raise UpstreamUnavailable(
                 "A replica failed before answering and the retry budget is spent.",

@@ -7,5 +7,5 @@
 * ``h1client``  the keep-alive client for routed rollouts; ``upstream``: every call to a
                 replica (h1client for rollouts, aiohttp for the rest) and its error mapping.
 
-uvicorn's private names appear only here (``tests/test_uvicorn_internals.py``).
+uvicorn's private names appear only here (``tests/http/test_uvicorn_internals.py``).
 """

@@ -11,7 +11,7 @@ Scope: one request at a time per connection, ``Content-Length`` or chunked respo
 (or a body ended by the close), streaming (SSE) bodies with back-pressure, plain ``http``
 and ``https``. Control-plane calls (fan-out, probes, adapter loads) keep using aiohttp.
 
-Framing is strict, as a proxy's should be (``tests/test_h1client_differential.py`` checks
+Framing is strict, as a proxy's should be (``tests/http/test_h1client_differential.py`` checks
 it against aiohttp, case by case): httptools (llhttp) refuses what is ambiguous (duplicate
 or listed ``Content-Length``, ``Content-Length`` with ``Transfer-Encoding``, obs-fold, bare
 LF, bad chunk sizes); interim responses (``100``, ``103``) are skipped, ``101`` refused (no

@@ -35,7 +35,7 @@ class DrainingServer(uvicorn.Server):
     """SIGTERM/SIGINT: stop accepting, drain in-flight requests for up to
     ``shutdown_timeout_s``, then exit 0. (uvicorn re-raises the signal after its graceful
     shutdown, so the process would die by it with status 143, which orchestrators read as
-    a crash.) ``_captured_signals`` is private: tests/test_uvicorn_internals.py checks it."""
+    a crash.) ``_captured_signals`` is private: tests/http/test_uvicorn_internals.py checks it."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -24,13 +24,22 @@ async def until(predicate: object, timeout: float = 5.0) -> bool:
     return False
 
 
-async def until_reopen(c: Cluster, index: int) -> None:
-    """Until the breaker's own deadline has passed (``reopen_at``, on the clock the gateway
-    passes to the detector as ``now``), instead of a guessed sleep past the ejection time.
-    The gateway reads ``time.monotonic()`` itself, so the HTTP test cannot inject one."""
+class Clock:
+    """The gateway's ``now`` (``Gateway.clock``), moved by the test instead of slept past."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def until_reopen(c: Cluster, clock: Clock, index: int) -> None:
+    """Jump to the breaker's own deadline (``reopen_at``): no sleep, no race with a slow
+    machine, and the ejection time itself is checked."""
     reopen_at = c.gateway.outliers.breaker(index).reopen_at
-    assert reopen_at > 0, "the breaker never opened"
-    await asyncio.sleep(max(0.0, reopen_at - time.monotonic()) + 0.01)
+    assert reopen_at > clock.now, "the breaker is not open"
+    clock.now = reopen_at
 
 
 def metric(text: str, name: str) -> float:
@@ -42,6 +51,7 @@ async def test_5xx_replica_is_ejected_probed_half_open_and_restored() -> None:
     settings = {"router": "round_robin", "outlier_consecutive_errors": 3,
                 "outlier_ejection_s": 0.6}  # fmt: skip
     async with cluster(2, **settings) as c, httpx.AsyncClient(base_url=c.url) as client:
+        c.gateway.clock = clock = Clock()
         c.sim(0).faults.completion_error = -1  # every completion: HTTP 500
         codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(20)]
         assert codes.count(500) == 3, codes  # relayed as they are, then no more traffic there
@@ -50,13 +60,15 @@ async def test_5xx_replica_is_ejected_probed_half_open_and_restored() -> None:
         assert status["replicas"][0]["breaker"] == "open"
         assert status["replicas"][0]["healthy"]  # /health still passes: only outliers see it
         served_before = c.sim(1).stats.requests_by_model.total()
-        await until_reopen(c, 0)  # half-open: one trial reaches replica 0 and fails
+        assert c.gateway.outliers.breaker(0).reopen_at == clock.now + 0.6
+        until_reopen(c, clock, 0)  # half-open: one trial reaches replica 0 and fails
         codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(6)]
         assert codes.count(500) == 1, codes
         assert c.sim(1).stats.requests_by_model.total() == served_before + 5
         c.sim(0).clear_faults()
-        assert c.gateway.outliers.breaker(0).ejections == 2  # the re-ejection doubled: 1.2 s
-        await until_reopen(c, 0)
+        assert c.gateway.outliers.breaker(0).ejections == 2
+        assert c.gateway.outliers.breaker(0).reopen_at == clock.now + 1.2  # doubled
+        until_reopen(c, clock, 0)
         codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(6)]
         assert codes == [200] * 6
         assert c.gateway.outliers.states()[0] is BreakerState.CLOSED
