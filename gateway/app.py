@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -32,15 +32,19 @@ from gateway.http.upstream import Upstream, make_session, upstream_tls
 from gateway.metrics import Metrics
 from gateway.routing.config import RoutingConfig
 from gateway.routing.policy import make_router
+from gateway.runs.metrics import RunCollector
+from gateway.runs.placing import place_runs
+from gateway.runs.table import Run, RunTable
+from gateway.runs.tenancy import Tenancy
 
 __all__ = ["build_gateway", "create_app"]
 
 log = logging.getLogger("gateway")
 
 
-def adapter_policy(settings: Settings) -> AdapterPolicy:
+def adapter_policy(settings: Settings, max_staleness: int | None = None) -> AdapterPolicy:
     return AdapterPolicy(
-        max_staleness=settings.max_staleness,
+        max_staleness=settings.max_staleness if max_staleness is None else max_staleness,
         load_deadline_s=settings.adapter_load_deadline_s,
         retry_initial_s=settings.adapter_retry_initial_s,
         retry_max_s=settings.adapter_retry_max_s,
@@ -61,16 +65,24 @@ def build_gateway(settings: Settings) -> Gateway:
         max_connections=settings.max_connections,
         tls=upstream_tls(settings),
     )
-    adapters = AdapterManager(
-        upstream,
-        pool.indices(),
-        policy=adapter_policy(settings),
-        call_timeout_s=settings.broadcast_timeout_s,
-        adapter_roots=[Path(p) for p in settings.adapter_roots],
-        on_settled=metrics.record_adapter_settlement,
-        on_action=metrics.record_adapter_action,
-    )
-    metrics.watch_adapters(adapters)
+    table = run_table(settings)
+    managers = {
+        run.name: AdapterManager(
+            upstream,
+            () if table.multi else pool.indices(),  # multi-run: its homes, once placed
+            policy=adapter_policy(settings, run.max_staleness),
+            call_timeout_s=settings.broadcast_timeout_s,
+            adapter_roots=run.roots,
+            owns=None if not run.prefix else _starts_with(run.prefix),
+            on_settled=metrics.record_adapter_settlement,
+            on_action=metrics.record_adapter_action,
+        )
+        for run in table.runs
+    }
+    tenancy = Tenancy(table, managers)
+    metrics.watch_adapters(tenancy.managers)
+    if table.multi:
+        metrics.registry.register(RunCollector(tenancy))
     router = make_router(settings.router, RoutingConfig(**settings.routing))
     # The ring spans every configured replica; unhealthy ones are skipped at lookup, so a
     # flapping replica never reshuffles everyone else's keys.
@@ -82,8 +94,30 @@ def build_gateway(settings: Settings) -> Gateway:
         upstream=upstream,
         router=router,
         metrics=metrics,
-        adapters=adapters,
+        tenancy=tenancy,
     )
+
+
+def run_table(settings: Settings) -> RunTable:
+    """The configured runs; none: single-run mode's one implicit run."""
+    if not settings.runs:
+        roots = tuple(Path(p) for p in settings.adapter_roots)
+        return RunTable([Run("", None, settings.max_staleness, roots)])
+    runs = [
+        Run(
+            r.name,
+            r.key.get_secret_value().encode(),
+            r.max_staleness,
+            (r.adapter_root,),
+            r.max_in_flight,
+        )
+        for r in settings.runs
+    ]
+    return RunTable(runs)
+
+
+def _starts_with(prefix: str) -> Callable[[str], bool]:
+    return lambda name: name.startswith(prefix)
 
 
 async def _gateway_error(request: Request, exc: Exception) -> Response:
@@ -122,10 +156,15 @@ def create_app(settings: Settings) -> FastPath:
             # Members first, so the rebuild below adopts what every replica holds.
             gateway.change_members(await discovery.desired())
         await gateway.health_round(sync_adapters=False)
-        await gateway.adapters.rebuild()
+        if gateway.tenancy.multi:
+            await place_runs(gateway)
+        await asyncio.gather(*(m.rebuild() for m in gateway.tenancy.managers()))
         tasks = [
             asyncio.create_task(gateway.health_loop(), name="gateway-health"),
-            asyncio.create_task(gateway.adapters.run_ticks(), name="gateway-adapter-ticks"),
+            *(
+                asyncio.create_task(t.manager.run_ticks(), name=f"gateway-adapter-ticks{t.name}")
+                for t in gateway.tenancy
+            ),
         ]
         hup = False
         if discovery.dynamic:
@@ -152,7 +191,7 @@ def create_app(settings: Settings) -> FastPath:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
-            await gateway.adapters.aclose()
+            await asyncio.gather(*(m.aclose() for m in gateway.tenancy.managers()))
             await gateway.upstream.aclose()
 
     app = Starlette(

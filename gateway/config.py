@@ -28,7 +28,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-__all__ = ["ReplicaSpec", "Settings", "load_settings"]
+__all__ = ["ReplicaSpec", "RunSpec", "Settings", "load_settings"]
 
 _SECRET_FIELDS = ("upstream_token", "api_key", "admin_key")
 
@@ -64,6 +64,28 @@ class ReplicaSpec(BaseModel):
         if not url.startswith(("http://", "https://")):
             raise ValueError("replica URL must start with http:// or https://")
         return url
+
+
+class RunSpec(BaseModel):
+    """One training run sharing the fleet (docs/many-runs.md): who it is (its key), where
+    its adapters may come from, how many versions it keeps, and its share of the load."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,31}$")
+    key: SecretStr
+    adapter_root: Path
+    max_staleness: int = Field(4, ge=0)
+    max_in_flight: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _coerce(cls, value: Any) -> Any:
+        if isinstance(value, Mapping) and "key_file" in value:
+            data = {k: v for k, v in value.items() if k != "key_file"}
+            data.setdefault("key", _read_secret_file(value["key_file"]))
+            return data
+        return value
 
 
 class Settings(BaseSettings):
@@ -102,6 +124,22 @@ class Settings(BaseSettings):
     max_staleness: int = Field(4, ge=0, description="Adapter versions kept per family: S+1.")
     adapter_roots: list[Path] = Field(
         default_factory=list, description="lora_path must resolve inside one of these."
+    )
+    runs: Annotated[list[RunSpec], NoDecode] = Field(
+        default_factory=list,
+        description="Training runs sharing the fleet, each with its own key, adapter names, "
+        "staleness window and pause (docs/many-runs.md); none: single-run mode.",
+    )
+    lora_slots_per_replica: int | None = Field(
+        None,
+        ge=1,
+        description="Adapter budget of each replica for placing runs (default: the weakest "
+        "replica's max_loras from /server_info).",
+    )
+    run_pause: Literal["scoped", "fleet"] = Field(
+        "scoped",
+        description="A run's /pause: hold only its own rollouts (scoped), or pause every "
+        "replica for everyone (fleet, the naive global pause).",
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
@@ -204,6 +242,23 @@ class Settings(BaseSettings):
                 return yaml.safe_load(text)
             return [part for part in (p.strip() for p in text.split(",")) if part]
         return value
+
+    @field_validator("runs", mode="before")
+    @classmethod
+    def _parse_runs(cls, value: Any) -> Any:
+        return yaml.safe_load(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_runs(self) -> Settings:
+        names = [r.name for r in self.runs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"run names must be unique: {names}")
+        keys = [r.key.get_secret_value() for r in self.runs]
+        if len(set(keys)) != len(keys):
+            raise ValueError("every run needs its own key (a key identifies the run)")
+        if self.runs and self.api_key is not None:
+            raise ValueError("api_key and runs exclude each other: each run has its own key")
+        return self
 
     @field_validator("upstream_ca_file")
     @classmethod

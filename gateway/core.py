@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway import __version__
 from gateway.adapters.manager import AdapterManager
+from gateway.adapters.placement import Change
 from gateway.config import ReplicaSpec, Settings
 from gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable
 from gateway.fleet.aborts import ReplicaTasks
@@ -29,6 +30,8 @@ from gateway.fleet.retry_budget import RetryBudget
 from gateway.http.upstream import BufferedResponse, ReplicaConnectError, Upstream
 from gateway.metrics import Metrics
 from gateway.routing.policy import Router
+from gateway.runs.placing import sweep
+from gateway.runs.tenancy import Tenancy
 
 __all__ = ["Gateway"]
 
@@ -42,7 +45,7 @@ class Gateway:
     upstream: Upstream
     router: Router
     metrics: Metrics
-    adapters: AdapterManager
+    tenancy: Tenancy
     client_keys: tuple[bytes, ...] = field(default=(), init=False)
     admin_keys: tuple[bytes, ...] = field(default=(), init=False)
     outliers: OutlierDetector = field(init=False)
@@ -51,14 +54,16 @@ class Gateway:
     tasks: ReplicaTasks = field(default_factory=ReplicaTasks, init=False)
     control: FleetControl = field(init=False)
     _rejoining: dict[int, asyncio.Task[None]] = field(default_factory=dict, init=False)
+    _background: set[asyncio.Task[Any]] = field(default_factory=set, init=False)
     clock: Callable[[], float] = field(default=time.monotonic, init=False)
     """``now`` for the pure cores that take it (breakers, retry budget): tests set it."""
 
     def __post_init__(self) -> None:
         s = self.settings
         self.control = FleetControl(self.fan_out, lambda: self.control_quorum)
-        self.adapters.on_lost = self.lose
-        self.adapters.quorum = lambda: self.control_quorum
+        for manager in self.tenancy.managers():
+            manager.on_lost = self.lose
+            manager.quorum = lambda: self.control_quorum
         self.outliers = OutlierDetector(
             consecutive_errors=s.outlier_consecutive_errors,
             base_ejection_s=s.outlier_ejection_s,
@@ -75,6 +80,11 @@ class Gateway:
         self.admin_keys = (admin,) if admin else ()
         # The admin key also opens client routes; the client key never opens admin ones.
         self.client_keys = tuple(k for k in (client, admin) if k) if client else ()
+
+    @property
+    def adapters(self) -> AdapterManager:
+        """Single-run mode's adapter manager (multi-run: ``tenancy``, one per run)."""
+        return self.tenancy.single().manager
 
     @property
     def min_healthy(self) -> int:
@@ -130,7 +140,9 @@ class Gateway:
         eject it at once; it is reconciled before it serves again."""
         if index in self.pool.indices() and self.pool[index].up:
             self.on_connect_failure(index, kind)
-        self.adapters.replica_down(index)
+        for tenant in self.tenancy:
+            if tenant.serves(index):
+                tenant.manager.replica_down(index)
 
     def _ejected(self, index: int) -> None:
         """The replica is out: forget its cache, abort what still waits on it."""
@@ -234,7 +246,14 @@ class Gateway:
             # not stall ejections behind it. The rejoin goes on in its task.
             await asyncio.wait(rejoins, timeout=self.settings.health_timeout_s)
         if sync_adapters:
-            await self.adapters.sync_replicas(self.pool.healthy_indices())
+            await self.sync_adapters()
+
+    async def sync_adapters(self) -> None:
+        """Every run's adapter manager reconciles its healthy home replicas."""
+        healthy = self.pool.healthy_indices()
+        await asyncio.gather(
+            *(t.manager.sync_replicas([r for r in healthy if t.serves(r)]) for t in self.tenancy)
+        )
 
     def _rejoin(self, index: int) -> asyncio.Task[None]:
         """Admit a READY replica once it is in the fleet's pause state (one task each)."""
@@ -248,6 +267,8 @@ class Gateway:
     async def _admit(self, index: int) -> None:
         if not await self.control.rejoin(index):
             return
+        if self.tenancy.multi:
+            await sweep(self, index)
         self.pool.admit(index)
         log.info("replica %d (%s) is healthy; admitted", index, self.pool[index].display)
 
@@ -278,18 +299,25 @@ class Gateway:
         for index in change.removed:
             log.info("replica %d (%s) removed by discovery", index, self.pool[index].display)
             self.pool.remove(index)
-            self.adapters.remove_replica(index)
+            if not self.tenancy.multi:
+                self.adapters.remove_replica(index)
             self.forget_cache(index)
             self.outliers.forget(index)
         added = []
         for spec in change.added:
             token = spec.token or self.settings.upstream_token
             index = self.pool.add(spec, token.get_secret_value() if token else None)
-            self.adapters.add_replica(index)
+            if not self.tenancy.multi:
+                self.adapters.add_replica(index)
             added.append(index)
             log.info("replica %d (%s) added by discovery", index, self.pool[index].display)
         if change:
             self.router.set_members(self.pool.indices())
+            if self.tenancy.multi and self.tenancy.budget is not None:
+                moves = self.tenancy.place(self.pool.indices(), self.tenancy.budget)
+                lost = {r for change, _, r in moves if change is Change.LOSE}
+                for r in sorted(lost & set(self.pool.indices())):
+                    self._spawn(sweep(self, r))
         return added
 
     # --- introspection ---------------------------------------------------------------
@@ -314,5 +342,19 @@ class Gateway:
             "in_flight": self.admission.in_flight,
             "paused": self.control.paused is not None,
             "routing": self.metrics.routing_counts(),
-            "adapters": self.adapters.status(),
+            **self._adapter_status(),
         }
+
+    def _adapter_status(self) -> dict[str, Any]:
+        if not self.tenancy.multi:
+            return {"adapters": self.adapters.status()}
+        return {
+            "runs": self.tenancy.status(),
+            "lora_slots_per_replica": self.tenancy.budget,
+            "adapters": {t.name: t.manager.status() for t in self.tenancy},
+        }
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -12,6 +12,7 @@ the same envelope vLLM's OpenAI server uses, so clients parse one shape either w
     ├── PayloadTooLarge               413 body above ``max_body_bytes``
     ├── HeadersTooLarge               431 header bytes/count above the limits
     ├── TooManyRequests               429 admission limits
+    ├── InsufficientSlots             507 a run that does not fit the replicas' LoRA budget
     └── UpstreamError                 (status 502)
         ├── UpstreamUnavailable       503 no healthy replica / all retries refused
         ├── UpstreamTimeout           504 replica did not answer in time
@@ -128,6 +129,15 @@ class HeadersTooLarge(GatewayError):
 class TooManyRequests(GatewayError):
     status = 429
     err_type = "RateLimitError"
+
+
+class InsufficientSlots(GatewayError):
+    """Not a 404 (TRL reads that as "runtime LoRA disabled") nor a 503 (it is not
+    transient): the fleet's adapter budget cannot hold the run until another run leaves or
+    replicas join; the message names the budget."""
+
+    status = 507
+    err_type = "InsufficientStorage"
 
 
 class UpstreamError(GatewayError):

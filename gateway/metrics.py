@@ -12,7 +12,7 @@ collector instead of being ``inc()``/``dec()``-ed on the hot path.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -173,17 +173,17 @@ class _AdapterCollector(Collector):
     """Scrape-time view of the adapter registry: live versions per family (families are
     few and operator-chosen), version lag and state per replica, evictions."""
 
-    def __init__(self, manager: AdapterManager) -> None:
-        self._manager = manager
+    def __init__(self, managers: Callable[[], Sequence[AdapterManager]]) -> None:
+        self._managers = managers
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._manager.snapshot()
+        snaps = [m.snapshot() for m in self._managers()]
         live = GaugeMetricFamily(
             "gateway_adapter_live_versions",
             "Adapter versions live on every replica, per family.",
             labels=["family"],
         )
-        for family, count in sorted(snap.live_versions.items()):
+        for family, count in sorted(f for snap in snaps for f in snap.live_versions.items()):
             live.add_metric([family], count)
         lag = GaugeMetricFamily(
             "gateway_adapter_version_lag",
@@ -195,14 +195,22 @@ class _AdapterCollector(Collector):
             "1 if the replica holds every live adapter (adapter traffic allowed).",
             labels=["replica"],
         )
-        for replica in snap.replicas:
-            lag.add_metric([str(replica.index)], replica.version_lag)
-            synced.add_metric([str(replica.index)], 1.0 if replica.state == "up" else 0.0)
+        # Multi-run: a replica is in every registry of a run homed there; the worst counts.
+        lags: dict[int, int] = {}
+        up: dict[int, bool] = {}
+        for snap in snaps:
+            for replica in snap.replicas:
+                i = replica.index
+                lags[i] = max(lags.get(i, 0), replica.version_lag)
+                up[i] = up.get(i, True) and replica.state == "up"
+        for i in sorted(lags):
+            lag.add_metric([str(i)], lags[i])
+            synced.add_metric([str(i)], 1.0 if up[i] else 0.0)
         evictions = CounterMetricFamily(
             "gateway_adapter_evictions",
             "Adapter versions evicted by the gateway's staleness window.",
         )
-        evictions.add_metric([], snap.counts.get("evict.stale", 0))
+        evictions.add_metric([], sum(snap.counts.get("evict.stale", 0) for snap in snaps))
         yield from (live, lag, synced, evictions)
 
 
@@ -355,8 +363,8 @@ class Metrics:
         if decision.moved_by_load:
             self.routing_moved.inc()
 
-    def watch_adapters(self, manager: AdapterManager) -> None:
-        self.registry.register(_AdapterCollector(manager))
+    def watch_adapters(self, managers: Callable[[], Sequence[AdapterManager]]) -> None:
+        self.registry.register(_AdapterCollector(managers))
 
     def record_adapter_settlement(self, settled: Settlement) -> None:
         outcome = "ok" if settled.ok else str(settled.failure or "failed")

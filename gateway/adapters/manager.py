@@ -88,6 +88,7 @@ class AdapterManager:
         policy: AdapterPolicy,
         call_timeout_s: float = 120.0,
         adapter_roots: Sequence[Path] = (),
+        owns: Callable[[str], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         on_settled: Callable[[Settlement], None] | None = None,
@@ -99,6 +100,9 @@ class AdapterManager:
         self._upstream = upstream
         self._timeout = call_timeout_s
         self._roots = tuple(adapter_roots)
+        self._owns = owns
+        """Which listed adapter names are this manager's (multi-run: its run's prefix);
+        the others are neither adopted nor unloaded as strays. None: all of them."""
         self._clock = clock
         self._on_settled = on_settled
         self._on_action = on_action
@@ -226,7 +230,10 @@ class AdapterManager:
             )
             if response.status != 200:
                 return None
-            return parse_models(response.content)
+            adapters, bases = parse_models(response.content)
+            if self._owns is not None:
+                adapters = [a for a in adapters if self._owns(a.name)]
+            return adapters, bases
         except (GatewayError, orjson.JSONDecodeError, TypeError, AttributeError) as exc:
             log.info("replica %d: cannot read /v1/models (%s)", replica, exc)
             return None
@@ -321,7 +328,11 @@ class AdapterManager:
         for r in self._indices:
             if r not in healthy:
                 self.replica_down(r)
-        pending = [r for r in healthy if self.core.replica_state(r) is not ReplicaState.UP]
+        pending = [
+            r
+            for r in healthy
+            if r in self._indices and self.core.replica_state(r) is not ReplicaState.UP
+        ]
         await asyncio.gather(*(self.reconcile(r) for r in pending))
 
     def tick(self) -> None:

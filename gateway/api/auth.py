@@ -1,41 +1,30 @@
-"""Client and admin keys: ``Bearer KEY``, or Basic auth's password (all TRL can send)."""
+"""Client and admin keys, and (multi-run mode) which run a request belongs to.
+
+Keys arrive as ``Bearer KEY`` or as Basic auth's password, which is all TRL can send
+(``http://user:KEY@gateway`` in its server URL)."""
 
 from __future__ import annotations
 
 import hmac
-from base64 import b64decode
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
 from gateway.api.requests import header
 from gateway.api.responses import gateway_of
 from gateway.errors import Unauthorized
+from gateway.runs.table import presented_credential
 
-
-def _presented_key(value: bytes | None) -> bytes | None:
-    """The key in an ``Authorization`` value: ``Bearer KEY``, or the password of ``Basic``
-    auth, which is all TRL can send (``http://user:KEY@gateway`` in its server URL)."""
-    if not value:
-        return None
-    scheme, _, rest = value.partition(b" ")
-    scheme = scheme.lower()
-    if scheme == b"bearer":
-        return rest.strip()
-    if scheme == b"basic":
-        try:
-            decoded = b64decode(rest.strip(), validate=True)
-        except ValueError:
-            return None
-        return decoded.partition(b":")[2]
-    return None
+if TYPE_CHECKING:
+    from gateway.runs.tenancy import Tenant
 
 
 def check_key(authorization: bytes | None, keys: Sequence[bytes], what: str) -> None:
     """401 unless ``authorization`` presents one of ``keys`` (none configured: open)."""
     if not keys:
         return
-    presented = _presented_key(authorization)
+    presented = presented_credential(authorization)[1]
     # Compare against every key, always: constant time in the key material.
     ok = False
     for key in keys:
@@ -44,13 +33,34 @@ def check_key(authorization: bytes | None, keys: Sequence[bytes], what: str) -> 
         raise Unauthorized(f"Invalid or missing {what}.", headers={"WWW-Authenticate": "Bearer"})
 
 
-def require_client(request: Request) -> None:
-    check_key(header(request, b"authorization"), gateway_of(request).client_keys, "API key")
-
-
-def require_admin(request: Request) -> None:
+def require_tenant(request: Request) -> Tenant:
+    """The request's run: single-run mode's one run once the client key checks out, or
+    (multi-run) the run whose key it presents."""
     gw = gateway_of(request)
-    if gw.admin_keys:
+    authorization = header(request, b"authorization")
+    check_key(authorization, gw.client_keys, "API key")
+    return gw.tenancy.for_request(authorization)
+
+
+def require_client(request: Request) -> None:
+    require_tenant(request)
+
+
+def require_viewer(request: Request) -> None:
+    """``/gateway/status``: a client, or (multi-run mode) a run or the admin."""
+    gw = gateway_of(request)
+    if gw.tenancy.multi and gw.admin_keys:
+        presented = presented_credential(header(request, b"authorization"))[1]
+        if presented is not None and any(hmac.compare_digest(presented, k) for k in gw.admin_keys):
+            return
+    require_client(request)
+
+
+def require_admin(request: Request) -> Tenant:
+    """Control calls: the admin key if one is set (single-run mode), else a client's; in
+    multi-run mode the run's own key (each run controls only itself)."""
+    gw = gateway_of(request)
+    if gw.admin_keys and not gw.tenancy.multi:
         check_key(header(request, b"authorization"), gw.admin_keys, "admin key")
-    else:
-        require_client(request)
+        return gw.tenancy.single()
+    return require_tenant(request)

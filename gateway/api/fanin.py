@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.auth import require_client
+from gateway.api.auth import require_tenant
 from gateway.api.requests import header, request_id_for
 from gateway.api.responses import gateway_of, json_response, relay_buffered
 from gateway.errors import UpstreamUnavailable
+
+if TYPE_CHECKING:
+    from gateway.core import Gateway
+    from gateway.runs.tenancy import Tenant
 
 log = logging.getLogger("gateway.api")
 
@@ -31,6 +35,15 @@ async def health(request: Request) -> Response:
     )
 
 
+def _home_replicas(gw: Gateway, tenant: Tenant) -> list[int] | None:
+    """Where a run's fan-in asks: its healthy homes (multi-run mode; every healthy replica
+    while it is unplaced); None: every healthy replica."""
+    if not tenant.run.prefix:
+        return None
+    healthy = gw.pool.healthy_indices()
+    return [r for r in healthy if r in tenant.homes] if tenant.homes else healthy
+
+
 def _weakest_lora_config(configs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = dict(configs[0])
     for key in ("max_lora_rank", "max_loras", "max_cpu_loras"):
@@ -44,9 +57,11 @@ async def server_info(request: Request) -> Response:
     """``/server_info`` of one replica, made to describe the fleet as TRL must see it:
     ``data_parallel_size == 1`` and the *weakest* replica's LoRA limits."""
     gw = gateway_of(request)
-    require_client(request)
+    tenant = require_tenant(request)
     query = request.scope.get("query_string", b"").decode("latin-1")
-    results = [r for r in await gw.fan_out("GET", "/server_info", query=query) if r.status == 200]
+    targets = _home_replicas(gw, tenant)
+    results = [r for r in await gw.fan_out("GET", "/server_info", query=query, replicas=targets)
+               if r.status == 200]  # fmt: skip
     if not results:
         raise UpstreamUnavailable("No healthy replica answered /server_info.")
     try:
@@ -63,6 +78,9 @@ async def server_info(request: Request) -> Response:
         ]
         if loras:
             weakest = _weakest_lora_config(loras)
+            budget = gw.tenancy.max_loras(tenant)
+            if budget is not None:  # the run's own share of the replicas' slots
+                weakest["max_loras"] = min(budget, weakest.get("max_loras", budget))
             if any(c != loras[0] for c in loras) or len(loras) != len(infos):
                 log.warning("replicas disagree on lora_config; reporting the weakest: %s", weakest)
             vllm_config["lora_config"] = weakest
@@ -76,8 +94,11 @@ async def models(request: Request) -> Response:
     """``/v1/models``: the base model(s) of one replica, plus the adapters that are live on
     every replica (the adapter manager's view, not any single replica's)."""
     gw = gateway_of(request)
-    require_client(request)
-    results = [r for r in await gw.fan_out("GET", "/v1/models") if r.status == 200]
+    tenant = require_tenant(request)
+    run = tenant.run
+    targets = _home_replicas(gw, tenant)
+    results = [r for r in await gw.fan_out("GET", "/v1/models", replicas=targets)
+               if r.status == 200]  # fmt: skip
     if not results:
         raise UpstreamUnavailable("No healthy replica answered /v1/models.")
     listing = orjson.loads(results[0].content)
@@ -86,11 +107,12 @@ async def models(request: Request) -> Response:
     known = {m["id"]: m for m in entries if m.get("parent")}
     parent = bases[0]["id"] if bases else None
     live = []
-    for adapter in gw.adapters.live_adapters():
+    for adapter in tenant.manager.live_adapters():
         entry = dict(
             known.get(adapter.name)
             or {"id": adapter.name, "object": "model", "owned_by": "vllm", "parent": parent}
         )
+        entry["id"] = run.client_name(adapter.name)
         entry["root"] = adapter.path
         live.append(entry)  # fmt: skip
     listing["data"] = [*bases, *live]

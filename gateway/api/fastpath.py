@@ -24,6 +24,7 @@ from gateway.metrics import RouteKind
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
+    from gateway.runs.tenancy import Tenant
 
 
 log = logging.getLogger("gateway.api")
@@ -74,7 +75,7 @@ class FastPath:
         inbound = exchange.inbound()
         if inbound is None:
             return
-        response, client = await self.respond(inbound)
+        response, client, tenant = await self.respond(inbound)
         try:
             if response is None:
                 return
@@ -87,18 +88,29 @@ class FastPath:
         finally:
             if client is not None:
                 self.gateway.admission.leave(client)
+            if tenant is not None:
+                tenant.leave(inbound.task)
 
-    async def respond(self, inbound: Inbound) -> tuple[Response | None, bytes | None]:
-        """The response to a rollout (None: the client left) and the admission key to
-        ``leave`` with once it is sent (None: refused before admission)."""
+    async def respond(
+        self, inbound: Inbound
+    ) -> tuple[Response | None, bytes | None, Tenant | None]:
+        """The response to a rollout (None: the client left), the admission key to
+        ``leave`` with once it is sent (None: refused before admission), and the run to
+        ``leave`` (multi-run mode, once counted against its cap)."""
         gw = self.gateway
         try:
             check_headers(inbound.headers, gw.settings)
             client = admit(gw, inbound)
         except GatewayError as exc:
-            return self._refuse(exc), None
+            return self._refuse(exc), None, None
+        counted: Tenant | None = None
         try:
-            check_key(inbound.header(b"authorization"), gw.client_keys, "API key")
+            authorization = inbound.header(b"authorization")
+            check_key(authorization, gw.client_keys, "API key")
+            tenant = gw.tenancy.for_request(authorization)
+            if tenant.run.prefix:
+                tenant.enter(inbound.task)
+                counted = tenant
             limit = gw.settings.max_body_bytes
             body = inbound.body  # already read by ``gateway.http.h1server``
             if body is None:  # uvicorn's connection: read_body enforces the limit
@@ -106,18 +118,26 @@ class FastPath:
                 body = await read_body(inbound.receive, inbound.header(b"content-length"), limit)
             else:
                 check_body_size(len(body), limit)
-            candidates, pick = plan_rollout(gw, inbound, body)
-            response = await dispatch(inbound, gw, RouteKind.ROUTED, body, candidates, pick)
-            return response, client
+            if counted is not None and counted.paused is not None:
+                with inbound.guard:  # its scoped /pause: held until /resume (after the
+                    await counted.held()  # body: the guard may read ``receive``)
+            candidates, pick, body = plan_rollout(gw, inbound, body, tenant)
+            response = await dispatch(inbound, gw, RouteKind.ROUTED, body, candidates, pick,
+                                      tenant.run if counted else None)  # fmt: skip
+            return response, client, counted
         except ClientDisconnected:
-            return None, client
+            return None, client, counted
         except GatewayError as exc:
-            return self._refuse(exc), client
+            if counted is not None:
+                exc.message = counted.run.unscope_text(exc.message)
+            return self._refuse(exc), client, counted
         except Exception:
             log.exception("unhandled error on POST %s", inbound.path)
-            return error_response(GatewayError("Internal gateway error.")), client
+            return error_response(GatewayError("Internal gateway error.")), client, counted
         except BaseException:
             gw.admission.leave(client)
+            if counted is not None:
+                counted.leave(inbound.task)
             raise
 
     def _refuse(self, exc: GatewayError) -> Response:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -43,9 +44,12 @@ from gateway.http.upstream import (
 )
 from gateway.metrics import RouteKind
 from gateway.routing.policy import CandidateLoads, RouteRequest
+from gateway.runs.scope import StreamUnscope, unscope_body
+from gateway.runs.table import Run
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
+    from gateway.runs.tenancy import Tenant
 
 
 _NONE: frozenset[int] = frozenset()
@@ -65,7 +69,7 @@ class Pick:
 
 async def dispatch(
     inbound: Inbound, gw: Gateway, kind: RouteKind, body: bytes, candidates: Sequence[int],
-    pick: Pick,
+    pick: Pick, run: Run | None = None,
 ) -> Response:  # fmt: skip
     """Send to one replica chosen among ``candidates``; if it fails before any response
     byte (refused, reset, or aborted because it was ejected), try another while the retry
@@ -150,10 +154,13 @@ async def dispatch(
                 return True
             return False
 
-        return RelayResponse(upstream, out_headers, guard, on_close, was_ejected)
+        unscope = None if run is None else StreamUnscope(run, status)
+        return RelayResponse(upstream, out_headers, guard, on_close, was_ejected, unscope)
     gw.tasks.leave(index, task)
     _release(gw, pick, index)
     gw.metrics.record_request(kind, status, time.perf_counter() - started)
+    if run is not None:
+        content = unscope_body(run, status, content)
     return BodyResponse(status, out_headers, content)
 
 
@@ -191,23 +198,39 @@ def _abandon(gw: Gateway, pick: Pick, index: int, task: asyncio.Task[Any]) -> No
     _release(gw, pick, index)
 
 
-def plan_rollout(gw: Gateway, inbound: Inbound, body: bytes) -> tuple[list[int], Pick]:
+def plan_rollout(
+    gw: Gateway, inbound: Inbound, body: bytes, tenant: Tenant
+) -> tuple[list[int], Pick, bytes]:
     """ROUTED (completions and chat completions): validate the body, and say which
-    replicas may serve it and how to choose among them. Synchronous: no coroutine."""
+    replicas may serve it and how to choose among them, and what to send them (in
+    multi-run mode the ``model`` named as the run's adapter is on the replicas).
+    Synchronous: no coroutine."""
     settings = gw.settings
     payload = parse_json_object(body, settings.max_json_depth)
     path = inbound.path
     check_generation(path, payload, settings)
-    model = payload.get("model")
+    model = asked = payload.get("model")
     healthy = gw.routable_or_503()
-    allowed = gw.adapters.candidates(model)
+    manager = tenant.manager
+    allowed = manager.candidates(model)
+    run = tenant.run
+    if run.prefix:  # multi-run: only the run's homes; its adapter names are its own
+        tenant.check_placed()
+        healthy = [i for i in healthy if i in tenant.homes]
+        if allowed is not None and isinstance(model, str):  # not the base model
+            model = payload["model"] = run.replica_name(model)
+            body = orjson.dumps(payload)
+            allowed = manager.candidates(model)
     candidates = healthy if allowed is None else [i for i in healthy if i in allowed]
     if not candidates:
-        if isinstance(model, str) and gw.adapters.is_live(model):
-            raise UpstreamUnavailable(f"No healthy replica holds `{model}` right now.",
+        if isinstance(model, str) and manager.is_live(model):
+            raise UpstreamUnavailable(f"No healthy replica holds `{asked}` right now.",
+                                      headers={"Retry-After": "1"})  # fmt: skip
+        if allowed is None:
+            raise UpstreamUnavailable("No healthy replica is home to this run right now.",
                                       headers={"Retry-After": "1"})  # fmt: skip
         # vLLM's own answer for a model it does not serve.
-        raise NotFound(f"The model `{model}` does not exist.", param="model")
+        raise NotFound(f"The model `{asked}` does not exist.", param="model")
     route_request = RouteRequest(
         path=path,
         model=model,
@@ -225,15 +248,14 @@ def plan_rollout(gw: Gateway, inbound: Inbound, body: bytes) -> tuple[list[int],
         return decision.replica
 
     if allowed is None:
-        return candidates, Pick(choose)
-    assert model is not None
-    manager = gw.adapters
+        return candidates, Pick(choose), body
+    assert isinstance(model, str)
     pick = Pick(
         choose,
         started=lambda i: manager.request_started(model, i),
         finished=lambda i: manager.request_finished(model, i),
     )
-    return candidates, pick
+    return candidates, pick, body
 
 
 async def forwarded(request: Request) -> Response:

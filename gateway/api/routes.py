@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.api.auth import require_client
+from gateway.api.auth import require_viewer
 from gateway.api.broadcast import broadcast
 from gateway.api.fanin import health, models, server_info
 from gateway.api.responses import gateway_of, json_response
@@ -34,7 +34,7 @@ async def metrics(request: Request) -> Response:
 
 async def status(request: Request) -> Response:
     gw = gateway_of(request)
-    require_client(request)
+    require_viewer(request)
     return json_response(gw.status())
 
 

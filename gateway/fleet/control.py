@@ -26,7 +26,7 @@ from gateway.errors import BroadcastFailed, GatewayError, UpstreamUnavailable
 from gateway.fleet.quorum import Tally, Verdict, judge, reply_for
 from gateway.http.upstream import BufferedResponse
 
-__all__ = ["FleetControl"]
+__all__ = ["PAUSE", "RESET", "RESUME", "FleetControl"]
 
 log = logging.getLogger("gateway.control")
 
@@ -63,10 +63,14 @@ class FleetControl:
         body: bytes | None = None,
         query: str = "",
         headers: list[tuple[str, str]] | None = None,
+        replicas: Sequence[int] | None = None,
     ) -> tuple[BufferedResponse, Tally]:
-        """Apply one control call to every healthy replica; raise unless the rule holds."""
+        """Apply one control call to every healthy replica (or the healthy ones among
+        ``replicas``); raise unless the rule holds."""
         async with self._lock:
-            results = await self._fan_out(method, path, body=body, query=query, headers=headers)
+            results = await self._fan_out(
+                method, path, body=body, query=query, headers=headers, replicas=replicas
+            )
             tally = judge({r.replica: reply_for(r.status) for r in results}, self._quorum())
             if tally.lost:
                 log.warning("%s: replicas %s lost, left out of the call", path, list(tally.lost))

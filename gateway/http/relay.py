@@ -53,6 +53,7 @@ class RelayResponse(Response):
         guard: DisconnectGuard,
         on_close: Callable[[bool], None],
         ejected: Callable[[], bool] = lambda: False,
+        transform: Callable[[bytes, bool], bytes] | None = None,
     ) -> None:
         self.status_code = upstream.status
         self.background = None
@@ -61,6 +62,8 @@ class RelayResponse(Response):
         self._guard = guard
         self._on_close = on_close
         self._ejected = ejected
+        self._transform = transform
+        """Rewrites each chunk (``last``: the stream's end), e.g. a run's adapter names."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Starlette's entry (FORWARDED paths): the same relay over ASGI."""
@@ -86,7 +89,10 @@ class RelayResponse(Response):
         intact = True
         try:
             exchange.start_chunked(self.status_code, self.raw_headers)
+            transform = self._transform
             async for chunk in self._upstream.content.iter_any():
+                if transform is not None and not (chunk := transform(chunk, False)):
+                    continue
                 if not exchange.write_chunk(chunk):
                     await exchange.drain()
         except asyncio.CancelledError:
@@ -95,7 +101,8 @@ class RelayResponse(Response):
             intact = False
         except (aiohttp.ClientError, ConnectionError, TimeoutError):
             intact = False
-        if not exchange.write_chunk(b"" if intact else self._error_event(), last=True):
+        tail = b"" if self._transform is None else self._transform(b"", True)
+        if not exchange.write_chunk(tail + (b"" if intact else self._error_event()), last=True):
             await exchange.drain()
         return intact
 

@@ -1,0 +1,42 @@
+"""Per-run metrics (multi-run mode): the ``run`` label's values are the configured runs,
+so its cardinality is bounded by the configuration, never by traffic."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from gateway.runs.tenancy import Tenancy
+
+__all__ = ["RunCollector"]
+
+
+class RunCollector(Collector):
+    """Multi-run mode, per run (the ``run`` label's values are the configured runs)."""
+
+    def __init__(self, tenancy: Tenancy) -> None:
+        self._tenancy = tenancy
+
+    def collect(self) -> Iterator[Metric]:
+        runs = list(self._tenancy)
+        families = (
+            ("gateway_run_in_flight", "Rollouts of the run in flight.", GaugeMetricFamily,
+             lambda t: t.in_flight),
+            ("gateway_run_requests", "Rollouts of the run admitted.", CounterMetricFamily,
+             lambda t: t.requests),
+            ("gateway_run_paused", "1 while the run's scoped /pause holds its rollouts.",
+             GaugeMetricFamily, lambda t: 1.0 if t.paused is not None else 0.0),
+            ("gateway_run_home_replicas", "Replicas the run is placed on (0: unplaced).",
+             GaugeMetricFamily, lambda t: len(t.homes)),
+            ("gateway_run_live_adapters", "Adapter versions of the run live on its homes.",
+             GaugeMetricFamily, lambda t: len(t.manager.live_adapters())),
+        )  # fmt: skip
+        for name, doc, kind, value in families:
+            family = kind(name, doc, labels=["run"])
+            for tenant in runs:
+                family.add_metric([tenant.name], value(tenant))
+            yield family

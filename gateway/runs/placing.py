@@ -1,0 +1,81 @@
+"""Multi-run mode's fleet chores: placing the runs at start, and sweeping replicas of
+adapters that no run homed there owns (so the placement's slot budget holds)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+import orjson
+
+from gateway.adapters.checks import parse_models
+from gateway.adapters.state import ListedAdapter
+from gateway.errors import GatewayError
+from gateway.runs.table import owner_of
+
+if TYPE_CHECKING:
+    from gateway.core import Gateway
+
+__all__ = ["place_runs", "sweep"]
+
+log = logging.getLogger("gateway.runs")
+
+
+async def place_runs(gw: Gateway) -> None:
+    """Multi-run mode, at start: each replica's adapter budget (configured, else the
+    weakest replica's ``max_loras``), each run's homes, then every replica swept of
+    adapters no run homed there owns."""
+    budget = gw.settings.lora_slots_per_replica
+    if budget is None:
+        budget = await _weakest_max_loras(gw)
+    moves = gw.tenancy.place(gw.pool.indices(), budget)
+    for tenant in gw.tenancy:
+        log.info("run %s: home replicas %s (%d adapter slots each)",
+                 tenant.name, sorted(tenant.homes), tenant.run.slots)  # fmt: skip
+    log.info("placed %d runs on %d replicas of %d adapter slots (%d moves)",
+             len(gw.tenancy.tenants), len(gw.pool), budget, len(moves))  # fmt: skip
+    await asyncio.gather(*(sweep(gw, r) for r in gw.pool.healthy_indices()))
+
+
+async def _weakest_max_loras(gw: Gateway) -> int:
+    results = await gw.fan_out("GET", "/server_info", query="config_format=json")
+    found = []
+    for r in results:
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            lora = orjson.loads(r.content)["vllm_config"]["lora_config"]
+            found.append(int(lora["max_loras"]))
+    if found:
+        return min(found)
+    fallback = sum(t.run.slots for t in gw.tenancy)
+    log.warning("no replica reported max_loras; assuming %d adapter slots per replica "
+                "(set lora_slots_per_replica)", fallback)  # fmt: skip
+    return fallback
+
+
+async def sweep(gw: Gateway, replica: int) -> int:
+    """Multi-run mode: unload from ``replica`` every adapter no run homed there owns
+    (another run's after a placement move, a single-run leftover, a manual load), so
+    the placement's slot budget holds. Best effort: the next rejoin sweeps again."""
+    try:
+        result = await gw.upstream.call(
+            replica, "GET", "/v1/models", timeout=gw.settings.broadcast_timeout_s
+        )
+        listed = parse_models(result.content)[0] if result.status == 200 else []
+    except (GatewayError, ValueError):
+        return 0
+    owners = gw.tenancy.owners_of(replica)
+    foreign = [a for a in listed if owner_of(a.name) not in owners]
+    await asyncio.gather(*(_unload(gw, replica, a) for a in foreign))
+    if foreign:
+        log.info("replica %d: unloaded %d adapters no run homed there owns",
+                 replica, len(foreign))  # fmt: skip
+    return len(foreign)
+
+
+async def _unload(gw: Gateway, replica: int, adapter: ListedAdapter) -> None:
+    body = orjson.dumps({"lora_name": adapter.name})
+    with contextlib.suppress(GatewayError):
+        await gw.upstream.call(replica, "POST", "/v1/unload_lora_adapter", body=body,
+                                 timeout=gw.settings.broadcast_timeout_s)  # fmt: skip

@@ -1,0 +1,121 @@
+"""Runs: who a request belongs to, and what its adapter names are called on the replicas.
+
+Pure (no I/O). In multi-run mode a run is identified by its credential, the only thing an
+unmodified TRL run can vary: ``http://NAME:KEY@gateway`` arrives as ``Basic`` auth, and
+``Bearer KEY`` works too. Every run publishes the same names (``trl-policy-v1``, ...),
+and vLLM holds one adapter per name, so on the replicas a run's names carry its prefix
+(``NAME~trl-policy-v1``): unique per run, and a name's owner is read off the name. A run
+never sees the prefix (``unscope``). In single-run mode there is one implicit run with
+no name and no prefix, so every path is the same code.
+"""
+
+from __future__ import annotations
+
+import hmac
+from base64 import b64decode
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.adapters.placement import run_slots
+
+__all__ = ["SEP", "Run", "RunTable", "owner_of", "presented_credential"]
+
+SEP = "~"  # not allowed in run names: the first one ends the owner's prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One run's identity and limits; ``name == ""`` is single-run mode's implicit run."""
+
+    name: str
+    key: bytes | None
+    max_staleness: int
+    roots: tuple[Path, ...] = ()
+    max_in_flight: int | None = None
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.name}{SEP}" if self.name else ""
+
+    @property
+    def slots(self) -> int:
+        """Adapter slots it needs on each home replica: ``max_staleness + 1`` live versions,
+        and one more while a sync loads the next (TRL's own ``max_staleness + 2`` check)."""
+        return run_slots(self.max_staleness)
+
+    def replica_name(self, name: str) -> str:
+        return self.prefix + name
+
+    def client_name(self, replica_name: str) -> str | None:
+        """The name this run knows, or None if the replica-side name is not its own."""
+        prefix = self.prefix
+        if not prefix:
+            return replica_name
+        return replica_name[len(prefix) :] if replica_name.startswith(prefix) else None
+
+    def unscope(self, data: bytes) -> bytes:
+        """A control-path or error body (no generated text) as this run must read it."""
+        return data.replace(self.prefix.encode(), b"") if self.prefix else data
+
+    def unscope_text(self, text: str) -> str:
+        return text.replace(self.prefix, "") if self.prefix else text
+
+
+def owner_of(replica_name: str) -> str | None:
+    """The run a replica-side adapter name belongs to (None: no run's, e.g. a leftover of
+    single-run mode or a manual load)."""
+    owner, sep, rest = replica_name.partition(SEP)
+    return owner if sep and owner and rest else None
+
+
+def presented_credential(value: bytes | None) -> tuple[bytes | None, bytes | None]:
+    """(user, key) from an ``Authorization`` value: ``Bearer KEY`` (no user) or ``Basic``
+    (``user:key``, all TRL can send). (None, None) when there is none or it is malformed."""
+    if not value:
+        return None, None
+    scheme, _, rest = value.partition(b" ")
+    scheme = scheme.lower()
+    if scheme == b"bearer":
+        return None, rest.strip()
+    if scheme == b"basic":
+        try:
+            decoded = b64decode(rest.strip(), validate=True)
+        except ValueError:
+            return None, None
+        user, sep, key = decoded.partition(b":")
+        return (user, key) if sep else (None, None)
+    return None, None
+
+
+class RunTable:
+    """The configured runs, and which one a credential names."""
+
+    __slots__ = ("_by_name", "multi", "runs")
+
+    def __init__(self, runs: Iterable[Run]) -> None:
+        self.runs = tuple(runs)
+        self.multi = any(r.name for r in self.runs)
+        if self.multi and not all(r.name and r.key for r in self.runs):
+            raise ValueError("in multi-run mode every run needs a name and a key")
+        self._by_name = {r.name: r for r in self.runs}
+
+    def __getitem__(self, name: str) -> Run:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterable[Run]:
+        return iter(self.runs)
+
+    def identify(self, authorization: bytes | None) -> Run | None:
+        """The run whose key is presented (a Basic user, if given, must be its name).
+
+        Compares against every key, always: constant time in the key material, and the
+        answer does not tell which run names exist."""
+        user, presented = presented_credential(authorization)
+        found: Run | None = None
+        for run in self.runs:
+            assert run.key is not None
+            match = presented is not None and hmac.compare_digest(presented, run.key)
+            if match and (user is None or user == b"" or user == run.name.encode()):
+                found = run
+        return found

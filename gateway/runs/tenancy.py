@@ -1,0 +1,220 @@
+"""The runs sharing the fleet, at run time: each run's adapter manager, home replicas,
+pause and in-flight count, and the placement that decides the homes.
+
+Why one object: a run's identity (``table.Run``), its adapter lifecycle (its own
+``AdapterManager``, whose registry spans only its home replicas, so "a live version is on
+every serving home" is the registry's own invariant), its scoped pause and its fair
+share are looked up once per request, by credential. Single-run mode is one implicit
+run homed on every replica whose pause is the fleet's: the same code, no prefix.
+
+A scoped pause (``run_pause: scoped``) never reaches a replica. The run's new rollouts
+are held at the gateway until its ``/resume``; rollouts already running go on. That keeps
+what TRL pauses for: versions have their own names, so nothing a held or running
+rollout names changes while the sync loads the next version, and every rollout is
+generated entirely by the version it names. ``mode=wait`` also waits until the run's
+in-flight rollouts are done, and ``mode=abort`` cancels them, as vLLM's modes do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.adapters.manager import AdapterManager
+from gateway.adapters.placement import Change, Placement, PlacementError, diff, place
+from gateway.errors import BadRequest, InsufficientSlots, TooManyRequests, Unauthorized
+from gateway.runs.table import Run, RunTable
+
+__all__ = ["Tenancy", "Tenant"]
+
+log = logging.getLogger("gateway.runs")
+
+_PAUSE_MODES = ("keep", "wait", "abort")
+
+
+@dataclass(eq=False)
+class Tenant:
+    """One run at run time."""
+
+    run: Run
+    manager: AdapterManager
+    homes: frozenset[int] = frozenset()
+    unplaced: str | None = None
+    """Why the run has no homes (the placement error, naming the budget), if it has none."""
+    paused: str | None = None
+    """The query string of the scoped ``/pause`` in effect, or None."""
+    in_flight: int = 0
+    requests: int = 0
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _resumed: asyncio.Event = field(default_factory=asyncio.Event)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._resumed.set()
+        self._idle.set()
+
+    @property
+    def name(self) -> str:
+        return self.run.name
+
+    def serves(self, replica: int) -> bool:
+        """Whether ``replica`` is one of its homes (single-run mode: every replica is)."""
+        return not self.run.prefix or replica in self.homes
+
+    def check_placed(self) -> None:
+        if self.unplaced is not None:
+            raise InsufficientSlots(self.unplaced)
+
+    def enter(self, task: asyncio.Task[Any]) -> None:
+        """Count a rollout against the run's cap (429 above it, so a burst of one run
+        cannot take every slot of the gateway's ``max_in_flight``)."""
+        cap = self.run.max_in_flight
+        if cap is not None and self.in_flight >= cap:
+            raise TooManyRequests(
+                f"Run '{self.name}' has {cap} requests in flight, its max_in_flight; "
+                "retry shortly.",
+                headers={"Retry-After": "1"},
+            )
+        self.in_flight += 1
+        self.requests += 1
+        self.tasks.add(task)
+        self._idle.clear()
+
+    def leave(self, task: asyncio.Task[Any]) -> None:
+        self.in_flight -= 1
+        self.tasks.discard(task)
+        if not self.in_flight:
+            self._idle.set()
+
+    async def held(self) -> None:
+        """Returns once the run is not paused (at once, almost always)."""
+        while self.paused is not None:
+            await self._resumed.wait()
+
+    async def pause(self, query: str, timeout: float) -> None:
+        mode = _mode(query)
+        self.paused = query
+        self._resumed.clear()
+        if mode == "abort":
+            for task in list(self.tasks):
+                task.cancel()
+        if mode in ("wait", "abort") and self.in_flight:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except TimeoutError:
+                log.warning("run %s: %d rollouts still in flight %.0f s after /pause?%s",
+                            self.name, self.in_flight, timeout, query)  # fmt: skip
+
+    def resume(self) -> None:
+        self.paused = None
+        self._resumed.set()
+
+
+def _mode(query: str) -> str:
+    mode = "abort"  # vLLM's default
+    for part in query.split("&"):
+        key, _, value = part.partition("=")
+        if key == "mode":
+            mode = value
+    if mode not in _PAUSE_MODES:
+        raise BadRequest(f"mode must be one of {list(_PAUSE_MODES)}, got {mode!r}.", param="mode")
+    return mode
+
+
+class Tenancy:
+    """Every run, by credential; and where each one lives on the fleet."""
+
+    def __init__(self, table: RunTable, managers: Mapping[str, AdapterManager]) -> None:
+        self.table = table
+        self.tenants = {run.name: Tenant(run, managers[run.name]) for run in table.runs}
+        self.placement: Placement | None = None
+        self.budget: int | None = None
+
+    @property
+    def multi(self) -> bool:
+        return self.table.multi
+
+    def __iter__(self) -> Iterator[Tenant]:
+        return iter(self.tenants.values())
+
+    def managers(self) -> list[AdapterManager]:
+        return [t.manager for t in self.tenants.values()]
+
+    def single(self) -> Tenant:
+        assert not self.multi
+        return self.tenants[""]
+
+    def for_request(self, authorization: bytes | None) -> Tenant:
+        """The run a request belongs to; 401 in multi-run mode without a run's key."""
+        if not self.multi:
+            return self.tenants[""]
+        run = self.table.identify(authorization)
+        if run is None:
+            raise Unauthorized(
+                "Invalid or missing run key (use http://RUN:KEY@gateway or Bearer KEY).",
+                headers={"WWW-Authenticate": 'Basic realm="rollout-gateway"'},
+            )
+        return self.tenants[run.name]
+
+    def owners_of(self, replica: int) -> frozenset[str]:
+        """Runs homed on ``replica``."""
+        return frozenset(t.name for t in self if t.serves(replica))
+
+    def place(self, replicas: Sequence[int], budget: int) -> list[tuple[Change, str, int]]:
+        """(Re)place every run on ``replicas`` (each with ``budget`` slots), moving as little
+        as possible; apply the homes to each run's manager; returns the moves applied.
+
+        Order (``placement``'s rule): lost homes first, so the registry stops routing
+        there before anything is unloaded; gained homes join DOWN and get adapter
+        traffic only once reconciled (their live versions loaded)."""
+        self.budget = budget
+        previous = self.placement or Placement.empty({})
+        runs = {t.name: t.run.slots for t in self}
+        result = place(previous, runs, dict.fromkeys(replicas, budget))
+        if isinstance(result, PlacementError):
+            new = result.best_effort
+            for name in result.needs:
+                self.tenants[name].unplaced = f"LoRA adapter slots exhausted: {result}"
+                log.error("run %s cannot be placed: %s", name, result)
+        else:
+            new = result
+        moves = []
+        for move in diff(previous, new):
+            tenant = self.tenants[move.run]
+            if move.change is Change.LOSE:
+                tenant.manager.remove_replica(move.replica)
+            else:
+                tenant.manager.add_replica(move.replica)
+            moves.append((move.change, move.run, move.replica))
+        for tenant in self:
+            tenant.homes = new.homes(tenant.name)
+            if tenant.homes:
+                tenant.unplaced = None
+        self.placement = new
+        return moves
+
+    def max_loras(self, tenant: Tenant) -> int | None:
+        """What ``/server_info`` tells a run of its LoRA budget: its own slots once it is
+        placed (so TRL's ``max_loras >= max_staleness + 2`` check means something)."""
+        if not self.multi or self.placement is None:
+            return None
+        return self.placement.max_loras(tenant.name)
+
+    def status(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": t.name,
+                "home_replicas": sorted(t.homes),
+                "slots": t.run.slots,
+                "max_staleness": t.run.max_staleness,
+                "paused": t.paused is not None,
+                "in_flight": t.in_flight,
+                "requests": t.requests,
+                "live": [t.run.client_name(a.name) for a in t.manager.live_adapters()],
+                "unplaced": t.unplaced,
+            }
+            for t in self
+        ]
