@@ -15,6 +15,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from gateway import __version__
 from gateway.adapters.manager import AdapterManager
 from gateway.adapters.placement import Change
@@ -31,7 +33,7 @@ from gateway.http.upstream import BufferedResponse, ReplicaConnectError, Upstrea
 from gateway.metrics import Metrics
 from gateway.routing.policy import Router
 from gateway.runs.placing import sweep
-from gateway.runs.tenancy import Tenancy
+from gateway.runs.tenancy import Tenancy, Tenant
 
 __all__ = ["Gateway"]
 
@@ -322,7 +324,9 @@ class Gateway:
 
     # --- introspection ---------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
+    def status(self, viewer: Tenant | None = None) -> dict[str, Any]:
+        """``/gateway/status``; ``viewer``: a run's own view (multi-run mode: its entry
+        and its adapters by its names, nothing of the other runs)."""
         breakers = self.outliers.states()
         return {
             "version": __version__,
@@ -342,12 +346,19 @@ class Gateway:
             "in_flight": self.admission.in_flight,
             "paused": self.control.paused is not None,
             "routing": self.metrics.routing_counts(),
-            **self._adapter_status(),
+            **self._adapter_status(viewer),
         }
 
-    def _adapter_status(self) -> dict[str, Any]:
+    def _adapter_status(self, viewer: Tenant | None) -> dict[str, Any]:
         if not self.tenancy.multi:
             return {"adapters": self.adapters.status()}
+        if viewer is not None:
+            own = orjson.loads(viewer.run.unscope(orjson.dumps(viewer.manager.status())))
+            return {
+                "runs": self.tenancy.status(only=viewer.name),
+                "lora_slots_per_replica": self.tenancy.budget,
+                "adapters": own,
+            }
         return {
             "runs": self.tenancy.status(),
             "lora_slots_per_replica": self.tenancy.budget,

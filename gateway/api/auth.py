@@ -46,14 +46,18 @@ def require_client(request: Request) -> None:
     require_tenant(request)
 
 
-def require_viewer(request: Request) -> None:
-    """``/gateway/status``: a client, or (multi-run mode) a run or the admin."""
+def require_viewer(request: Request) -> Tenant | None:
+    """``/gateway/status``: a client, or (multi-run mode) the admin, who sees every run
+    (None), or a run, which sees itself."""
     gw = gateway_of(request)
-    if gw.tenancy.multi and gw.admin_keys:
+    if not gw.tenancy.multi:
+        require_client(request)
+        return None
+    if gw.admin_keys:
         presented = presented_credential(header(request, b"authorization"))[1]
         if presented is not None and any(hmac.compare_digest(presented, k) for k in gw.admin_keys):
-            return
-    require_client(request)
+            return None
+    return require_tenant(request)
 
 
 def require_admin(request: Request) -> Tenant:

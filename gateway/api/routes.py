@@ -34,8 +34,7 @@ async def metrics(request: Request) -> Response:
 
 async def status(request: Request) -> Response:
     gw = gateway_of(request)
-    require_viewer(request)
-    return json_response(gw.status())
+    return json_response(gw.status(require_viewer(request)))
 
 
 def _method_not_allowed(allowed: Sequence[str]) -> Callable[[Request], Awaitable[Response]]:

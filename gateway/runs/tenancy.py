@@ -203,7 +203,7 @@ class Tenancy:
             return None
         return self.placement.max_loras(tenant.name)
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self, only: str | None = None) -> list[dict[str, Any]]:
         return [
             {
                 "name": t.name,
@@ -217,4 +217,5 @@ class Tenancy:
                 "unplaced": t.unplaced,
             }
             for t in self
+            if only is None or t.name == only
         ]

@@ -16,7 +16,7 @@ from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.latency import LatencyModel
 
 from gateway.app import create_app
-from gateway.config import load_settings
+from gateway.config import ReplicaSpec, load_settings
 from gateway.runs.table import owner_of
 from tests.cluster import Cluster, cluster, sims
 
@@ -218,21 +218,25 @@ async def test_leftovers_no_run_owns_are_swept_at_start(tmp_path: Path) -> None:
 
 
 async def test_per_run_metrics_and_status(tmp_path: Path) -> None:
-    async with shared(tmp_path) as c, as_run(c, "run-c") as client:
+    async with shared(tmp_path, admin_key="the-admin") as c, as_run(c, "run-c") as client:
         assert (
             await client.post("/v1/load_lora_adapter", json=load(tmp_path, "run-c", 1))
         ).is_success
         body = {**COMPLETION, "model": "trl-policy-v1"}
         assert (await client.post("/v1/completions", json=body)).is_success
-        status = (await client.get("/gateway/status")).json()
-        runs = {r["name"]: r for r in status["runs"]}
-        assert set(runs) == set(RUNS) and runs["run-c"]["live"] == ["trl-policy-v1"]
-        assert status["lora_slots_per_replica"] == 6
+        own = (await client.get("/gateway/status")).json()  # a run sees itself only
+        assert [r["name"] for r in own["runs"]] == ["run-c"]
+        assert own["runs"][0]["live"] == ["trl-policy-v1"] and own["lora_slots_per_replica"] == 6
+        assert "run-a" not in str(own) and "run-c~" not in str(own)
+        admin = httpx.AsyncClient(base_url=c.url, headers={"authorization": "Bearer the-admin"})
+        async with admin:
+            every = (await admin.get("/gateway/status")).json()
+        assert [r["name"] for r in every["runs"]] == list(RUNS)
         metrics = (await client.get("/metrics")).text
         assert 'gateway_run_requests_total{run="run-c"} 1.0' in metrics
         assert 'gateway_run_live_adapters{run="run-c"} 1.0' in metrics
         assert 'gateway_run_home_replicas{run="run-a"}' in metrics
-        assert "key-run" not in metrics
+        assert "key-run" not in metrics and "the-admin" not in metrics
 
 
 async def _until(predicate: Any, timeout: float = 5.0) -> None:
@@ -240,3 +244,36 @@ async def _until(predicate: Any, timeout: float = 5.0) -> None:
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached"
         await asyncio.sleep(0.02)
+
+
+async def test_replicas_leaving_and_joining_re_place_the_runs(tmp_path: Path) -> None:
+    """Discovery's membership changes: the runs are re-placed with the budget held, a run
+    that no longer fits is told so, and a gained home gets its run's live versions
+    replayed before it serves that run."""
+    async with shared(tmp_path) as c:
+        for name in RUNS:
+            async with as_run(c, name) as client:
+                assert (await client.post("/v1/load_lora_adapter",
+                                          json=load(tmp_path, name, 1))).is_success  # fmt: skip
+        gw = c.gateway
+        specs = [ReplicaSpec(url=u) for u in c.replica_urls]
+        await gw.apply_membership(specs[:1])  # replica 1 leaves
+        placed = homes(c)
+        assert sorted(len(h) for h in placed.values()) == [0, 1, 1]  # 6 slots: two runs fit
+        assert all(h <= {0} for h in placed.values())
+        left_out = next(name for name, h in placed.items() if not h)
+        async with as_run(c, left_out) as client:
+            r = await client.post("/v1/completions", json={**COMPLETION, "model": "trl-policy-v1"})
+            assert r.status_code == 507 and "budget is 6" in r.json()["error"]["message"]
+        await gw.apply_membership(specs)  # it comes back (as a new member)
+        await gw.health_round()
+        placed = homes(c)
+        assert all(placed.values()) and sum(map(len, placed.values())) == 4
+        for name in RUNS:
+            async with as_run(c, name) as client:
+                r = await client.post("/v1/completions",
+                                      json={**COMPLETION, "model": "trl-policy-v1"})  # fmt: skip
+                assert r.status_code == 200, (name, r.text)
+        index = max(r.index for r in gw.pool.replicas)
+        owners = {owner_of(n) for n in c.sim(1).adapters}
+        assert owners == {t.name for t in gw.tenancy if index in t.homes}
