@@ -35,6 +35,7 @@ class _Server(uvicorn.Server):
 async def serve_asgi(
     app: ASGIApp,
     *,
+    host: str = "127.0.0.1",
     port: int = 0,
     startup_timeout: float = 10.0,
     http: type[asyncio.Protocol] | None = None,
@@ -42,8 +43,9 @@ async def serve_asgi(
 ) -> AsyncIterator[str]:
     """Serve ``app`` until the block exits; yields its base URL. Lifespan runs as usual.
     The gateway's app gets its lean protocol, as ``rollout-gateway serve`` gives it.
-    ``tls``: (certificate file, key file) to serve https instead."""
-    sock = listen_socket("127.0.0.1", port)
+    ``host``: a loopback address (several may share one port); ``tls``: (certificate
+    file, key file) to serve https instead."""
+    sock = listen_socket(host, port)
     bound = sock.getsockname()[1]
     if http is None and isinstance(app, FastPath):
         http = lean_protocol(app.serve)
@@ -61,7 +63,7 @@ async def serve_asgi(
                     task.result()
                     raise RuntimeError("server exited during start-up")
                 await asyncio.sleep(0.01)
-        yield f"{'https' if tls else 'http'}://127.0.0.1:{bound}"
+        yield f"{'https' if tls else 'http'}://{host}:{bound}"
     finally:
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):

@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from rollout_testbed.procs import free_port_on
 from rollout_testbed.serve import serve_asgi
 from rollout_testbed.sim.app import create_sim_app
@@ -220,23 +219,8 @@ class _QuietLogger:
 async def sim_at(host: str, port: int) -> AsyncIterator[Any]:
     """A sim replica on host:port (same port on several loopback addresses)."""
     app = create_sim_app()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, ws="none")
-    server = uvicorn.Server(config)
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        async with asyncio.timeout(10):
-            while not server.started:  # noqa: ASYNC110
-                await asyncio.sleep(0.01)
+    async with serve_asgi(app, host=host, port=port):
         yield app.state.sim
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 10)
-        sock.close()
 
 
 async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
