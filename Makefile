@@ -141,5 +141,11 @@ bench-image: venv
 bench-trl: venv vllm
 	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) bench/trl_side_by_side.py
 
+# Many runs on one fleet: run B's rollout latency during run A's syncs, B alone vs
+# run_pause fleet vs scoped (trl-many-runs.*, <= 15 min).
+.PHONY: bench-many-runs
+bench-many-runs: venv vllm
+	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) bench/trl_many_runs.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
