@@ -1,7 +1,8 @@
 """deploy/grafana/dashboard.json: valid JSON with the structure Grafana's dashboard schema
 (schemaVersion 39) requires, the panels issue 7 asks for, and only metric names that
 exist: the gateway's from its /metrics, ``vllm:*`` from the sim replica's /metrics (or, for
-the two histograms the sim does not model, from the installed vLLM's own definitions)."""
+the two histograms the sim does not model, from the installed vLLM's own definitions); the
+"Runs" row (issue 18) from a multi-run gateway's /metrics."""
 
 from __future__ import annotations
 
@@ -116,10 +117,27 @@ def test_panels_schema_and_layout() -> None:
         "gateway_replica_healthy",  # replica health
         "vllm:prefix_cache_hits_total",  # prefix-cache hit rate
         "vllm:kv_cache_usage_perc",  # KV usage
+        "gateway_run_requests_total",  # rollouts/s per run (multi-run mode)
+        "gateway_run_in_flight",  # in flight per run
+        "gateway_run_paused",  # paused per run
+        "gateway_run_home_replicas",  # home replicas per run
+        "gateway_run_live_adapters",  # live adapters per run
     ],
 )
 def test_required_panels_present(needle: str) -> None:
     assert any(needle in e for e in expressions(load())), needle
+
+
+def test_runs_row_groups_by_run() -> None:
+    """Every panel of the "Runs" row draws one series per run, of the per-run families."""
+    panels = load()["panels"]
+    start = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Runs")
+    row = list(itertools.takewhile(lambda p: p["type"] != "row", panels[start + 1 :]))
+    assert len(row) == 5, [p["title"] for p in row]
+    for p in row:
+        for t in p["targets"]:
+            assert "by (run)" in t["expr"] and "gateway_run_" in t["expr"], p["title"]
+            assert "{{run}}" in t["legendFormat"], p["title"]
 
 
 def real_vllm_names() -> set[str] | None:
@@ -133,7 +151,7 @@ def real_vllm_names() -> set[str] | None:
 
 def test_every_metric_exists() -> None:
     sample = metrics_sample()
-    gateway = sample.names(sample.gateway)
+    gateway = sample.gateway_names  # single-run and multi-run mode
     sim = sample.names(sample.replica)
     used = {m for e in expressions(load()) for m in METRIC.findall(e)}
     assert used

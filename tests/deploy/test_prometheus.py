@@ -20,7 +20,7 @@ from rollout_testbed.procs import free_port
 
 from tests.cluster import cluster
 from tests.deploy._proc import REPO, process
-from tests.deploy.metrics_sample import drive_load, metrics_sample
+from tests.deploy.metrics_sample import RUNS, drive_load, metrics_sample
 from tests.deploy.test_dashboard import expressions as dashboard_expressions
 from tests.deploy.test_dashboard import load as load_dashboard
 from tests.deploy.test_dashboard import substitute
@@ -39,9 +39,36 @@ def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
     )  # fmt: skip
 
 
-def test_promtool_check_metrics_on_gateway_output() -> None:
-    res = promtool("check", "metrics", stdin=metrics_sample().gateway)
+@pytest.mark.parametrize("mode", ["gateway", "multi_run", "multi_run_paused"])
+def test_promtool_check_metrics_on_gateway_output(mode: str) -> None:
+    res = promtool("check", "metrics", stdin=getattr(metrics_sample(), mode))
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _samples(text: str, family: str) -> dict[str, float]:
+    """``{run: value}`` of one per-run family in a /metrics text."""
+    found = re.findall(rf'^{family}{{run="([a-z0-9-]+)"}} (\S+)$', text, re.MULTILINE)
+    return {run: float(value) for run, value in found}
+
+
+def test_multi_run_sample_shows_what_the_run_alerts_match() -> None:
+    """The multi-run sample has one series per configured run in each per-run family, and
+    the states RolloutGatewayRunUnplaced and RolloutGatewayRunPausedTooLong match (home
+    replicas 0, paused 1) appear in the gateway's real output."""
+    sample = metrics_sample()
+    runs = set(RUNS)
+    for family in ("gateway_run_requests_total", "gateway_run_in_flight", "gateway_run_paused",
+                   "gateway_run_home_replicas", "gateway_run_live_adapters"):  # fmt: skip
+        assert set(_samples(sample.multi_run, family)) == runs, family
+        assert family not in sample.gateway, family  # single-run mode: no per-run families
+    homes = _samples(sample.multi_run, "gateway_run_home_replicas")
+    assert sorted(homes.values()) == [0, 1, 1], homes
+    requests = _samples(sample.multi_run, "gateway_run_requests_total")
+    (driven,) = (run for run, n in requests.items() if n > 0)
+    assert _samples(sample.multi_run, "gateway_run_live_adapters")[driven] == 1
+    assert _samples(sample.multi_run, "gateway_run_paused") == dict.fromkeys(runs, 0.0)
+    paused = _samples(sample.multi_run_paused, "gateway_run_paused")
+    assert paused == {run: float(run == driven) for run in runs}, paused
 
 
 def test_alert_rules_check_and_unit_tests() -> None:
@@ -52,7 +79,7 @@ def test_alert_rules_check_and_unit_tests() -> None:
 
 
 def test_alert_rules_refer_to_exported_metrics() -> None:
-    exported = metrics_sample().names(metrics_sample().gateway) | {"up"}
+    exported = metrics_sample().gateway_names | {"up"}  # single-run and multi-run mode
     rules = yaml.safe_load((PROM_DIR / "alerts.yml").read_text())
 
     for group in rules["groups"]:
