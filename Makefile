@@ -147,5 +147,10 @@ bench-trl: venv vllm
 bench-many-runs: venv vllm
 	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) bench/trl_many_runs.py
 
+# Many runs at scale, simulated: 16 runs over 8 replicas, joins and leaves (seconds).
+.PHONY: bench-many-runs-sim
+bench-many-runs-sim: venv
+	$(BIN)/python bench/many_runs_sim.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
