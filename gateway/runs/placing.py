@@ -27,9 +27,17 @@ async def place_runs(gw: Gateway) -> None:
     """Multi-run mode, at start: each replica's adapter budget (configured, else the
     weakest replica's ``max_loras``), each run's homes, then every replica swept of
     adapters no run homed there owns."""
+    reported = await _weakest_max_loras(gw)
     budget = gw.settings.lora_slots_per_replica
     if budget is None:
-        budget = await _weakest_max_loras(gw)
+        budget = reported if reported is not None else sum(t.run.slots for t in gw.tenancy)
+        if reported is None:
+            log.warning("no replica reported max_loras; assuming %d adapter slots per "
+                        "replica (set lora_slots_per_replica)", budget)  # fmt: skip
+    elif reported is not None and budget > reported:
+        log.warning("lora_slots_per_replica=%d is more than a replica's max_loras=%d: vLLM "
+                    "will evict adapters between uses (restart it with --max-loras %d, or "
+                    "lower lora_slots_per_replica)", budget, reported, budget)  # fmt: skip
     moves = gw.tenancy.place(gw.pool.indices(), budget)
     for tenant in gw.tenancy:
         log.info("run %s: home replicas %s (%d adapter slots each)",
@@ -39,19 +47,14 @@ async def place_runs(gw: Gateway) -> None:
     await asyncio.gather(*(sweep(gw, r) for r in gw.pool.healthy_indices()))
 
 
-async def _weakest_max_loras(gw: Gateway) -> int:
+async def _weakest_max_loras(gw: Gateway) -> int | None:
     results = await gw.fan_out("GET", "/server_info", query="config_format=json")
     found = []
     for r in results:
         with contextlib.suppress(ValueError, AttributeError, TypeError):
             lora = orjson.loads(r.content)["vllm_config"]["lora_config"]
             found.append(int(lora["max_loras"]))
-    if found:
-        return min(found)
-    fallback = sum(t.run.slots for t in gw.tenancy)
-    log.warning("no replica reported max_loras; assuming %d adapter slots per replica "
-                "(set lora_slots_per_replica)", fallback)  # fmt: skip
-    return fallback
+    return min(found) if found else None
 
 
 async def sweep(gw: Gateway, replica: int) -> int:

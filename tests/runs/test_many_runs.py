@@ -277,3 +277,15 @@ async def test_replicas_leaving_and_joining_re_place_the_runs(tmp_path: Path) ->
         index = max(r.index for r in gw.pool.replicas)
         owners = {owner_of(n) for n in c.sim(1).adapters}
         assert owners == {t.name for t in gw.tenancy if index in t.homes}
+
+
+async def test_a_budget_above_the_replicas_max_loras_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the sims report max_loras 6 (SimConfig's default); the default budget is that
+    async with cluster(1, runs=run_specs(tmp_path, ("run-a",))) as c:
+        assert c.gateway.tenancy.budget == 6
+    caplog.clear()
+    async with cluster(1, runs=run_specs(tmp_path, ("run-a",)), lora_slots_per_replica=9):
+        pass
+    assert any("more than a replica's max_loras=6" in r.getMessage() for r in caplog.records)
