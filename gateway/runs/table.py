@@ -14,7 +14,7 @@ from __future__ import annotations
 import hmac
 from base64 import b64decode
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.adapters.placement import run_slots
@@ -33,10 +33,11 @@ class Run:
     max_staleness: int
     roots: tuple[Path, ...] = ()
     max_in_flight: int | None = None
+    prefix: str = field(init=False, repr=False, compare=False)
+    """``NAME~`` on the replicas ("" in single-run mode); read on every rollout: stored."""
 
-    @property
-    def prefix(self) -> str:
-        return f"{self.name}{SEP}" if self.name else ""
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefix", f"{self.name}{SEP}" if self.name else "")
 
     @property
     def slots(self) -> int:

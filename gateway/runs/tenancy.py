@@ -132,6 +132,7 @@ class Tenancy:
         self.tenants = {run.name: Tenant(run, managers[run.name]) for run in table.runs}
         self.placement: Placement | None = None
         self.budget: int | None = None
+        self._single = None if table.multi else self.tenants[""]
 
     @property
     def multi(self) -> bool:
@@ -149,8 +150,8 @@ class Tenancy:
 
     def for_request(self, authorization: bytes | None) -> Tenant:
         """The run a request belongs to; 401 in multi-run mode without a run's key."""
-        if not self.multi:
-            return self.tenants[""]
+        if self._single is not None:
+            return self._single
         run = self.table.identify(authorization)
         if run is None:
             raise Unauthorized(
