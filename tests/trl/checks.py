@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Sequence
+from statistics import mean
+from statistics import variance as var
 from typing import Any
 
 from tests.trl.harness import MAX_STALENESS, Layer, RunResult, replica_adapters, wait_for
@@ -57,6 +61,17 @@ def assert_fleet_holds_window(layer: Layer, res: RunResult, replicas: list[int])
         held = {i: replica_adapters(layer.urls[i]) for i in replicas}
         raise AssertionError(f"want {sorted(want)} on replicas {replicas}, held {held}") from None
     assert layer.gateway.live_adapters() == sorted(want)
+
+
+def assert_learned(rewards: Sequence[float], what: str) -> float:
+    """The policy learned: the last 10 steps' mean reward is above the first 10 steps' by
+    more than 3 standard errors (Welch) and by at least half again; returns the z."""
+    first, last = rewards[:10], rewards[-10:]
+    rise, se = mean(last) - mean(first), math.sqrt(var(first) / 10 + var(last) / 10)
+    print(f"{what}: reward first 10 {mean(first):.4f} -> last 10 {mean(last):.4f} "
+          f"(z {rise / se:.1f})")  # fmt: skip
+    assert rise > 3 * se and mean(last) > 1.5 * mean(first), (what, list(rewards), rise, se)
+    return rise / se
 
 
 def report(res: RunResult, **extra: Any) -> dict[str, Any]:

@@ -18,10 +18,11 @@ puts the earlier leftovers back on the replicas (the fault tests rely on them) a
 the layer's gateway again.
 
 Every check reads the replicas themselves: a background thread samples each replica's own
-``/v1/models`` and ``/is_paused`` every 0.5 s during the runs. 8 steps per run: enough to
-see the syncs of three runs interleave (9 loads each, 27 in all), too few for a
-learning assertion (the tests/trl happy path needs 50 steps for that); the reward check is
-only that rewards are valid and not all zero.
+``/v1/models`` and ``/is_paused`` every 0.5 s during the runs. 40 steps per run: the syncs
+of three runs interleave (41 loads each), and each run must learn by the happy path's rule
+(last 10 steps' mean reward above the first 10's by > 3 standard errors and 1.5x; one
+trial on a quiet 2-core machine: 0.010 -> 0.031, 0.010 -> 0.023, 0.012 -> 0.025, the three
+runs together in 195 s).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.trl.checks import LORA_NAME
+from tests.trl.checks import LORA_NAME, assert_learned
 from tests.trl.harness import (
     TRL_DIR,
     Layer,
@@ -60,11 +61,11 @@ from tests.trl.many_runs import (
 )
 
 ORDER = 1.5  # after the happy path (its adapters are the leftovers), before the faults
-STEPS = 8
+STEPS = 40
 SLOTS = 6  # lora_slots_per_replica: two runs of 3 slots per replica
 RUNS = ("alpha", "bravo", "charlie")
 PLANTED = ("trl-policy-v999", f"zulu{SEP}trl-policy-v1")  # leftovers no run here owns
-RUN_TIMEOUT_S = 540
+RUN_TIMEOUT_S = 1500
 WORK = TRL_DIR / "many-runs"
 
 
@@ -112,7 +113,7 @@ def window_names(version: int, staleness: int = 1) -> list[int]:
     return list(range(max(1, version - staleness), version + 1))
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_three_trl_runs_share_one_fleet(shared: Shared) -> None:
     layer, gw, runs = shared.layer, shared.gateway, shared.runs
     status = gw.status()
@@ -168,9 +169,8 @@ def test_three_trl_runs_share_one_fleet(shared: Shared) -> None:
         assert out["summary"]["vllm_retries"] == 0, (r.name, out["summary"])
         rewards = [float(x["reward"]) for x in out["logs"] if "reward" in x]
         assert len(rewards) == STEPS and all(math.isfinite(x) and 0 <= x <= 1 for x in rewards)
-    # Reward did not collapse to nothing: across the three runs some completions still
-    # score (8 steps are too few, and these rewards too noisy, to assert that a run learns).
-    assert sum(sum(float(x["reward"]) for x in o["logs"] if "reward" in x) for o in res.values())
+        # Each run learns, sharing the fleet: the happy path's rule, run by run.
+        assert_learned(rewards, r.name)
 
     # No collision at any sample: each replica-side name carries exactly one run's prefix,
     # a run's names only on its home replicas, never more than SLOTS adapters on a replica,
