@@ -253,9 +253,7 @@ class Gateway:
     async def sync_adapters(self) -> None:
         """Every run's adapter manager reconciles its healthy home replicas."""
         healthy = self.pool.healthy_indices()
-        await asyncio.gather(
-            *(t.manager.sync_replicas([r for r in healthy if t.serves(r)]) for t in self.tenancy)
-        )
+        await asyncio.gather(*(t.manager.sync_replicas(t.among(healthy)) for t in self.tenancy))
 
     def _rejoin(self, index: int) -> asyncio.Task[None]:
         """Admit a READY replica once it is in the fleet's pause state (one task each)."""

@@ -20,16 +20,19 @@ if TYPE_CHECKING:
     from gateway.runs.tenancy import Tenant
 
 
-def check_key(authorization: bytes | None, keys: Sequence[bytes], what: str) -> None:
-    """401 unless ``authorization`` presents one of ``keys`` (none configured: open)."""
-    if not keys:
-        return
+def _presents(authorization: bytes | None, keys: Sequence[bytes]) -> bool:
+    """Whether ``authorization`` presents one of ``keys``. Compares against every key,
+    always: constant time in the key material."""
     presented = presented_credential(authorization)[1]
-    # Compare against every key, always: constant time in the key material.
     ok = False
     for key in keys:
         ok |= presented is not None and hmac.compare_digest(presented, key)
-    if not ok:
+    return ok
+
+
+def check_key(authorization: bytes | None, keys: Sequence[bytes], what: str) -> None:
+    """401 unless ``authorization`` presents one of ``keys`` (none configured: open)."""
+    if keys and not _presents(authorization, keys):
         raise Unauthorized(f"Invalid or missing {what}.", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -53,10 +56,8 @@ def require_viewer(request: Request) -> Tenant | None:
     if not gw.tenancy.multi:
         require_client(request)
         return None
-    if gw.admin_keys:
-        presented = presented_credential(header(request, b"authorization"))[1]
-        if presented is not None and any(hmac.compare_digest(presented, k) for k in gw.admin_keys):
-            return None
+    if gw.admin_keys and _presents(header(request, b"authorization"), gw.admin_keys):
+        return None
     return require_tenant(request)
 
 

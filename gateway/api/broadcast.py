@@ -57,7 +57,7 @@ async def broadcast(request: Request) -> Response:
     # correctness); a fleet-wide pause (``run_pause: fleet``) reaches every replica.
     homes = None
     if run.prefix and path == RESET:
-        homes = [r for r in gw.pool.healthy_indices() if r in tenant.homes]
+        homes = tenant.among(gw.pool.healthy_indices())
     try:
         first, tally = await gw.control.broadcast(
             request.method, path, body=body or None, query=query, headers=headers,

@@ -41,7 +41,7 @@ def _home_replicas(gw: Gateway, tenant: Tenant) -> list[int] | None:
     if not tenant.run.prefix:
         return None
     healthy = gw.pool.healthy_indices()
-    return [r for r in healthy if r in tenant.homes] if tenant.homes else healthy
+    return tenant.among(healthy) if tenant.homes else healthy
 
 
 def _weakest_lora_config(configs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

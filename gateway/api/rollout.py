@@ -216,7 +216,7 @@ def plan_rollout(
     run = tenant.run
     if run.prefix:  # multi-run: only the run's homes; its adapter names are its own
         tenant.check_placed()
-        healthy = [i for i in healthy if i in tenant.homes]
+        healthy = tenant.among(healthy)
         if allowed is not None and isinstance(model, str):  # not the base model
             model = payload["model"] = run.replica_name(model)
             body = orjson.dumps(payload)

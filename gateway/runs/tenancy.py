@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,10 @@ class Tenant:
     def serves(self, replica: int) -> bool:
         """Whether ``replica`` is one of its homes (single-run mode: every replica is)."""
         return not self.run.prefix or replica in self.homes
+
+    def among(self, replicas: Iterable[int]) -> list[int]:
+        """Those of ``replicas`` that are its homes."""
+        return [r for r in replicas if self.serves(r)]
 
     def check_placed(self) -> None:
         if self.unplaced is not None:
@@ -145,8 +149,8 @@ class Tenancy:
         return [t.manager for t in self.tenants.values()]
 
     def single(self) -> Tenant:
-        assert not self.multi
-        return self.tenants[""]
+        assert self._single is not None, "multi-run mode has no single run"
+        return self._single
 
     def for_request(self, authorization: bytes | None) -> Tenant:
         """The run a request belongs to; 401 in multi-run mode without a run's key."""
