@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -27,6 +28,7 @@ from gateway.core import Gateway
 from gateway.errors import GatewayError, NotFound, error_body
 from gateway.fleet.discovery import Discovery
 from gateway.fleet.replicas import ReplicaPool
+from gateway.fleet.shared import SharedState
 from gateway.http.disconnect import ClientDisconnected
 from gateway.http.upstream import Upstream, make_session, upstream_tls
 from gateway.metrics import Metrics
@@ -53,8 +55,9 @@ def adapter_policy(settings: Settings, max_staleness: int | None = None) -> Adap
     )
 
 
-def build_gateway(settings: Settings) -> Gateway:
-    """Everything but the event-loop-bound session, which the lifespan creates."""
+def build_gateway(settings: Settings, shared: SharedState | None = None) -> Gateway:
+    """Everything but the event-loop-bound session, which the lifespan creates.
+    ``shared``: the fleet state the processes of ``serve --workers N`` share."""
     pool = ReplicaPool.from_settings(settings)
     metrics = Metrics(pool)
     upstream = Upstream(
@@ -95,6 +98,7 @@ def build_gateway(settings: Settings) -> Gateway:
         router=router,
         metrics=metrics,
         tenancy=tenancy,
+        shared=shared,
     )
 
 
@@ -143,9 +147,15 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
                     media_type="application/json")  # fmt: skip
 
 
-def create_app(settings: Settings) -> FastPath:
-    """Build the ASGI app; start-up probes replicas and rebuilds adapter state."""
-    gateway = build_gateway(settings)
+def create_app(
+    settings: Settings,
+    attach: Callable[[], AbstractAsyncContextManager[None]] | None = None,
+    shared: SharedState | None = None,
+) -> FastPath:
+    """Build the ASGI app; start-up probes replicas and rebuilds adapter state.
+    ``attach``: entered once that is done, for as long as the app serves (the owner of
+    data-plane workers starts its hub there); ``shared``: as ``build_gateway``'s."""
+    gateway = build_gateway(settings, shared)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -183,7 +193,8 @@ def create_app(settings: Settings) -> FastPath:
             gateway.router.name, settings.max_staleness,
         )  # fmt: skip
         try:
-            yield
+            async with attach() if attach is not None else contextlib.nullcontext():
+                yield
         finally:
             if hup:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)

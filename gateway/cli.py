@@ -115,11 +115,26 @@ def _serve_parser() -> argparse.ArgumentParser:
     )
     add("--outlier-ejection-s", type=float, help="first outlier ejection time (default 10)")
     add(
+        "--workers",
+        type=_workers,
+        help="data-plane processes on the port: N, or auto (the usable cores); default 1. "
+        "See docs/performance.md for which N to choose",
+    )
+    add(
         "--shutdown-timeout-s",
         type=float,
         help="on SIGTERM, drain in-flight requests this long, then exit 0 (default 10)",
     )
     return p  # fmt: skip
+
+
+def _workers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
 
 
 def serve(argv: Sequence[str]) -> int:
@@ -145,7 +160,16 @@ def serve(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    workers = settings.worker_count()
+    if workers > 1 and (settings.discovery_dns or settings.replicas_file):
+        print("rollout-gateway serve: --workers above 1 needs a static --replica list "
+              "(discovery is one-process only)", file=sys.stderr)  # fmt: skip
+        return 2
     configure_logging(settings.log_format, settings.log_level)
+    if workers > 1:
+        from gateway.workers.processes import supervise
+
+        return supervise(settings, workers)
     app = create_app(settings)
     # Fewer, cheaper collections on the hot path: take everything built so far out of the
     # GC's reach and collect the young generation less often (per-request garbage is

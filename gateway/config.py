@@ -231,6 +231,24 @@ class Settings(BaseSettings):
     shutdown_timeout_s: int = Field(
         10, ge=0, description="On SIGTERM: drain in-flight requests this long, then exit 0."
     )
+    workers: int | Literal["auto"] = Field(
+        1,
+        description="Data-plane processes accepting on the port (1: one process, as before; "
+        "auto: the cores this process may use). See docs/performance.md.",
+    )
+
+    @field_validator("workers")
+    @classmethod
+    def _check_workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 256:
+            raise ValueError("workers must be 1..256 or 'auto'")
+        return value
+
+    def worker_count(self) -> int:
+        """``workers`` resolved: ``auto`` is the CPUs this process may run on."""
+        if self.workers == "auto":
+            return max(1, len(os.sched_getaffinity(0)))
+        return int(self.workers)
 
     @field_validator("replicas", mode="before")
     @classmethod
@@ -258,6 +276,8 @@ class Settings(BaseSettings):
             raise ValueError("every run needs its own key (a key identifies the run)")
         if self.runs and self.api_key is not None:
             raise ValueError("api_key and runs exclude each other: each run has its own key")
+        if self.workers != 1 and (self.discovery_dns or self.replicas_file):
+            raise ValueError("workers > 1 needs a static replica list (no discovery yet)")
         return self
 
     @field_validator("upstream_ca_file")

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -29,6 +30,7 @@ from gateway.fleet.discovery import diff_membership
 from gateway.fleet.outliers import BreakerState, OutlierDetector, OutlierEvent
 from gateway.fleet.replicas import ReplicaPool, Transition
 from gateway.fleet.retry_budget import RetryBudget
+from gateway.fleet.shared import SharedOutlierDetector, SharedRetryBudget, SharedState
 from gateway.http.upstream import BufferedResponse, ReplicaConnectError, Upstream
 from gateway.metrics import Metrics
 from gateway.routing.policy import Router
@@ -40,6 +42,12 @@ __all__ = ["Gateway"]
 log = logging.getLogger("gateway")
 
 
+class Peers(Protocol):
+    """The other processes of one gateway (``gateway.workers.owner.Hub``)."""
+
+    async def ask(self, op: str, **args: Any) -> list[Any]: ...
+
+
 @dataclass
 class Gateway:
     settings: Settings
@@ -48,6 +56,8 @@ class Gateway:
     router: Router
     metrics: Metrics
     tenancy: Tenancy
+    shared: SharedState | None = None
+    """``serve --workers N``: the breakers and retry budget every process shares."""
     client_keys: tuple[bytes, ...] = field(default=(), init=False)
     admin_keys: tuple[bytes, ...] = field(default=(), init=False)
     outliers: OutlierDetector = field(init=False)
@@ -59,6 +69,12 @@ class Gateway:
     _background: set[asyncio.Task[Any]] = field(default_factory=set, init=False)
     clock: Callable[[], float] = field(default=time.monotonic, init=False)
     """``now`` for the pure cores that take it (breakers, retry budget): tests set it."""
+    cache_resets: Counter[int] = field(default_factory=Counter, init=False)
+    """Replica -> prefix caches forgotten (a worker's snapshot carries it)."""
+    report: Callable[[dict[str, Any]], None] | None = field(default=None, init=False)
+    """A data-plane worker: tells the owner what only it saw (an ejection)."""
+    peers: Peers | None = field(default=None, init=False)
+    """The owner of data-plane workers: their metrics and status."""
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -66,14 +82,22 @@ class Gateway:
         for manager in self.tenancy.managers():
             manager.on_lost = self.lose
             manager.quorum = lambda: self.control_quorum
-        self.outliers = OutlierDetector(
-            consecutive_errors=s.outlier_consecutive_errors,
-            base_ejection_s=s.outlier_ejection_s,
-            max_ejection_s=s.outlier_max_ejection_s,
-            max_ejected_fraction=s.outlier_max_ejected_fraction,
+        limits: dict[str, Any] = {
+            "consecutive_errors": s.outlier_consecutive_errors,
+            "base_ejection_s": s.outlier_ejection_s,
+            "max_ejection_s": s.outlier_max_ejection_s,
+            "max_ejected_fraction": s.outlier_max_ejected_fraction,
+        }
+        self.outliers = (
+            OutlierDetector(**limits)
+            if self.shared is None
+            else SharedOutlierDetector(self.shared, **limits)
         )
-        self.retry_budget = RetryBudget(
-            ratio=s.retry_budget_ratio, min_per_s=s.retry_budget_min_per_s
+        ratio, floor = s.retry_budget_ratio, s.retry_budget_min_per_s
+        self.retry_budget = (
+            RetryBudget(ratio=ratio, min_per_s=floor)
+            if self.shared is None
+            else SharedRetryBudget(self.shared, ratio=ratio, min_per_s=floor)
         )
         self.admission = Admission(s.max_in_flight, s.max_in_flight_per_client)
         self.metrics.watch_breakers(self.outliers)
@@ -123,9 +147,10 @@ class Gateway:
         event = self.outliers.record(index, status, self.clock(), len(self.pool))
         if event is OutlierEvent.EJECTED:
             self.metrics.ejections.labels(str(index), "outlier").inc()
-            until = self.outliers.breaker(index).reopen_at - self.clock()
+            reopen_at = self.outliers.breaker(index).reopen_at
             log.warning("replica %d (%s) ejected for %.1f s: HTTP %d errors in a row",
-                        index, self.pool[index].display, until, status)  # fmt: skip
+                        index, self.pool[index].display, reopen_at - self.clock(),
+                        status)  # fmt: skip
         elif event is OutlierEvent.RESTORED:
             log.info("replica %d (%s) answered its trial request; breaker closed",
                      index, self.pool[index].display)  # fmt: skip
@@ -135,7 +160,9 @@ class Gateway:
         if self.pool.record_connect_failure(index) is Transition.EJECTED:
             self.metrics.ejections.labels(str(index), "passive").inc()
             log.warning("replica %d (%s) ejected: %s", index, self.pool[index].display, kind)
-            self._ejected(index)
+            self.out_of_rotation(index)
+            if self.report is not None:
+                self.report({"op": "connect_failure", "replica": index, "kind": kind})
 
     def lose(self, index: int, kind: str) -> None:
         """A control call got no answer from ``index`` (``gateway.fleet.quorum``'s "lost"):
@@ -146,7 +173,7 @@ class Gateway:
             if tenant.serves(index):
                 tenant.manager.replica_down(index)
 
-    def _ejected(self, index: int) -> None:
+    def out_of_rotation(self, index: int) -> None:
         """The replica is out: forget its cache, abort what still waits on it."""
         self.forget_cache(index)
         self.outliers.forget(index)
@@ -158,6 +185,7 @@ class Gateway:
     def forget_cache(self, index: int) -> None:
         """The replica's prefix cache is gone (restart, reset): stop steering by it."""
         self.router.forget_replica(index)
+        self.cache_resets[index] += 1
 
     # --- fan-out ---------------------------------------------------------------------
 
@@ -238,7 +266,7 @@ class Gateway:
             change = self.pool.record_probe(index, ok)
             if change is Transition.EJECTED:
                 self.metrics.ejections.labels(str(index), "probe").inc()
-                self._ejected(index)
+                self.out_of_rotation(index)
                 log.warning("replica %d (%s) failed health checks; ejected",
                             index, self.pool[index].display)  # fmt: skip
             elif change is Transition.READY:

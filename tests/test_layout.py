@@ -59,4 +59,4 @@ def test_the_sidecar_is_in_folders_by_layer() -> None:
     top = {p.stem for p in root.glob("*.py")} - {"__init__", "__main__"}
     assert top == {"app", "core", "cli", "config", "errors", "logs", "metrics"}
     folders = {p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert folders == {"adapters", "api", "fleet", "http", "routing", "runs"}
+    assert folders == {"adapters", "api", "fleet", "http", "routing", "runs", "workers"}

@@ -52,6 +52,7 @@ from gateway.adapters.state import (
     Result,
     Settlement,
     Snapshot,
+    UnloadOnReplica,
 )
 from gateway.errors import (
     BadRequest,
@@ -110,9 +111,12 @@ class AdapterManager:
         """Told when a replica gave no answer (the gateway ejects it at once)."""
         self.quorum: Callable[[], int] = lambda: 1
         """Replicas a load must reach (``gateway.fleet.quorum``); the gateway sets it."""
+        self.before_unload: Callable[[str, int, float], Awaitable[None]] | None = None
+        """Waits until other processes (data-plane workers) route nothing more to a copy
+        and finished what they sent it, up to the grace; set by their owner."""
         self.executor = fanout.Executor(
             self.core,
-            lambda action: fanout.perform(upstream, action, call_timeout_s),
+            self._perform,
             clock=clock,
             sleep=sleep,
             on_result=self._performed,
@@ -120,6 +124,11 @@ class AdapterManager:
         self._loading: set[str] = set()
         self._reconciling: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+
+    async def _perform(self, action: Action) -> Result:
+        if isinstance(action, UnloadOnReplica) and self.before_unload is not None:
+            await self.before_unload(action.name, action.replica, self.policy.unload_grace_s)
+        return await fanout.perform(self._upstream, action, self._timeout)
 
     def _performed(self, action: Action, result: Result) -> None:
         if self._on_action is not None:

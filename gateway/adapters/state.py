@@ -438,6 +438,13 @@ class AdapterRegistry:
             if c.state in SERVING and self._replicas[r].state is ReplicaState.UP
         )
 
+    def routing_view(self) -> tuple[dict[str, frozenset[int]], frozenset[str], frozenset[str]]:
+        """What the data path reads, for a worker's snapshot: every registered name's
+        candidates, the live names, and the base model names."""
+        cands = {name: self.candidates(name) or frozenset() for name in self._adapters}
+        live = frozenset(n for n, r in self._adapters.items() if r.state in ROUTABLE)
+        return cands, live, frozenset(self._base_models)
+
     def head(self, family: str) -> int | None:
         """The version the staleness window is anchored on: the family's latest completed
         publish (not the highest number: a restarted run may count from v1 again)."""

@@ -99,12 +99,14 @@ async def dispatch(
             )
         index = pick.choose(remaining)
         remaining.remove(index)
+        if not gw.outliers.dispatched(index):
+            continue
         if pick.started is not None and not pick.started(index):
+            gw.outliers.abandoned(index)
             continue
         if retrying:
             gw.metrics.retries.inc()
         gw.pool.acquire(index)
-        gw.outliers.dispatched(index)
         gw.metrics.record_routed(index)
         gw.tasks.enter(index, task)
         upstream: UpstreamResponse
@@ -211,8 +213,8 @@ def plan_rollout(
     check_generation(path, payload, settings)
     model = asked = payload.get("model")
     healthy = gw.routable_or_503()
-    manager = tenant.manager
-    allowed = manager.candidates(model)
+    routes = tenant.routes
+    allowed = routes.candidates(model)
     run = tenant.run
     if run.prefix:  # multi-run: only the run's homes; its adapter names are its own
         tenant.check_placed()
@@ -220,10 +222,10 @@ def plan_rollout(
         if allowed is not None and isinstance(model, str):  # not the base model
             model = payload["model"] = run.replica_name(model)
             body = orjson.dumps(payload)
-            allowed = manager.candidates(model)
+            allowed = routes.candidates(model)
     candidates = healthy if allowed is None else [i for i in healthy if i in allowed]
     if not candidates:
-        if isinstance(model, str) and manager.is_live(model):
+        if isinstance(model, str) and routes.is_live(model):
             raise UpstreamUnavailable(f"No healthy replica holds `{asked}` right now.",
                                       headers={"Retry-After": "1"})  # fmt: skip
         if allowed is None:
@@ -252,8 +254,8 @@ def plan_rollout(
     assert isinstance(model, str)
     pick = Pick(
         choose,
-        started=lambda i: manager.request_started(model, i),
-        finished=lambda i: manager.request_finished(model, i),
+        started=lambda i: routes.request_started(model, i),
+        finished=lambda i: routes.request_finished(model, i),
     )
     return candidates, pick, body
 

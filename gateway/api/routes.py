@@ -15,6 +15,7 @@ from gateway.api.responses import gateway_of, json_response
 from gateway.api.rollout import forwarded
 from gateway.errors import MethodNotAllowed
 from gateway.metrics import CONTENT_TYPE
+from gateway.workers.merge import add_workers, merge_expositions
 
 _ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -29,12 +30,18 @@ BROADCAST_PATHS = (
 
 async def metrics(request: Request) -> Response:
     gw = gateway_of(request)
-    return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+    text = gw.metrics.render()
+    if gw.peers is not None:  # the owner of data-plane workers: the whole gateway's
+        text = merge_expositions(text.decode(), await gw.peers.ask("metrics"))
+    return Response(text, media_type=CONTENT_TYPE)
 
 
 async def status(request: Request) -> Response:
     gw = gateway_of(request)
-    return json_response(gw.status(require_viewer(request)))
+    data = gw.status(require_viewer(request))
+    if gw.peers is not None:
+        add_workers(data, await gw.peers.ask("status"))
+    return json_response(data)
 
 
 def _method_not_allowed(allowed: Sequence[str]) -> Callable[[Request], Awaitable[Response]]:

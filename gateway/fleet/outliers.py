@@ -95,12 +95,14 @@ class OutlierDetector:
             b.state = BreakerState.HALF_OPEN
         return not b.trial_in_flight
 
-    def dispatched(self, index: int) -> None:
-        """A request is going to ``index``; in half-open state it is the one trial."""
+    def dispatched(self, index: int) -> bool:
+        """A request is going to ``index``; in half-open state it is the one trial.
+        False: the trial is taken (by another process: ``shared``); pick again."""
         if self._open:
             b = self._breakers.get(index)
             if b is not None and b.state is BreakerState.HALF_OPEN:
                 b.trial_in_flight = True
+        return True
 
     def abandoned(self, index: int) -> None:
         """The request to ``index`` ended without a status (client gone, connect error):
@@ -145,6 +147,10 @@ class OutlierDetector:
         b = self._breakers.pop(index, None)
         if b is not None and b.state is not BreakerState.CLOSED:
             self._open -= 1
+
+    def open_breakers(self) -> list[tuple[int, float]]:
+        """``(replica, reopen_at)`` of every OPEN breaker."""
+        return [(i, b.reopen_at) for i, b in self._breakers.items() if b.state is BreakerState.OPEN]
 
     def states(self) -> dict[int, BreakerState]:
         return {i: b.state for i, b in self._breakers.items()}

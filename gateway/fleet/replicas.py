@@ -25,7 +25,7 @@ removed replica so requests in flight to it can finish and release.
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -216,6 +216,19 @@ class ReplicaPool:
         replica = self._all[index]
         if replica.member:
             replica.health = Health.UP
+
+    def follow(self, healthy: Collection[int]) -> list[int]:
+        """Make exactly the members in ``healthy`` UP (a data-plane worker adopting the
+        owner's view); returns the ones that went down."""
+        down = []
+        for replica in self.replicas:
+            up = replica.index in healthy
+            if replica.up and not up:
+                replica.health = Health.DOWN
+                down.append(replica.index)
+            elif up and not replica.up:
+                replica.health = Health.UP
+        return down
 
     def _eject(self, replica: Replica) -> Transition:
         replica.health = Health.DOWN

@@ -20,11 +20,15 @@ import uvicorn
 __all__ = ["DrainingServer", "listen_socket"]
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A bound TCP socket (IPv4 or IPv6 by ``host``) ready to hand to ``uvicorn``."""
+def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A bound TCP socket (IPv4 or IPv6 by ``host``) ready to hand to ``uvicorn``.
+    ``reuse_port``: several processes bind the port, and the kernel spreads new
+    connections over their listening sockets (data-plane workers)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)

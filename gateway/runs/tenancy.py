@@ -19,20 +19,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.adapters.manager import AdapterManager
 from gateway.adapters.placement import Change, Placement, PlacementError, diff, place
 from gateway.errors import BadRequest, InsufficientSlots, TooManyRequests, Unauthorized
 from gateway.runs.table import Run, RunTable
 
-__all__ = ["Tenancy", "Tenant"]
+__all__ = ["AdapterRoutes", "Tenancy", "Tenant"]
 
 log = logging.getLogger("gateway.runs")
 
 _PAUSE_MODES = ("keep", "wait", "abort")
+
+
+class AdapterRoutes(Protocol):
+    """What a rollout reads of a run's adapters: its manager, or in a data-plane worker
+    the owner's last snapshot (``gateway.workers.snapshot.SnapshotRoutes``)."""
+
+    def candidates(self, model: str | None) -> frozenset[int] | None: ...
+    def is_live(self, name: str) -> bool: ...
+    def request_started(self, name: str, replica: int) -> bool: ...
+    def request_finished(self, name: str, replica: int) -> None: ...
 
 
 @dataclass(eq=False)
@@ -51,8 +61,12 @@ class Tenant:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    routes: AdapterRoutes = field(init=False)
+    elsewhere: Callable[[Tenant, float], Awaitable[None]] | None = None
+    """Waits for the run's rollouts in other processes (the owner's data-plane workers)."""
 
     def __post_init__(self) -> None:
+        self.routes = self.manager
         self._resumed.set()
         self._idle.set()
 
@@ -99,18 +113,26 @@ class Tenant:
             await self._resumed.wait()
 
     async def pause(self, query: str, timeout: float) -> None:
-        mode = _mode(query)
-        self.paused = query
-        self._resumed.clear()
-        if mode == "abort":
-            for task in list(self.tasks):
-                task.cancel()
+        mode = self.hold(query)
         if mode in ("wait", "abort") and self.in_flight:
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout)
             except TimeoutError:
                 log.warning("run %s: %d rollouts still in flight %.0f s after /pause?%s",
                             self.name, self.in_flight, timeout, query)  # fmt: skip
+        if mode in ("wait", "abort") and self.elsewhere is not None:
+            await self.elsewhere(self, timeout)
+
+    def hold(self, query: str) -> str:
+        """Hold the run's new rollouts from now on (``abort``: cancel its running ones
+        too); returns the mode. A data-plane worker applies a snapshot's pause this way."""
+        mode = _mode(query)
+        self.paused = query
+        self._resumed.clear()
+        if mode == "abort":
+            for task in list(self.tasks):
+                task.cancel()
+        return mode
 
     def resume(self) -> None:
         self.paused = None

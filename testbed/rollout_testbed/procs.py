@@ -43,6 +43,7 @@ __all__ = [
     "free_port_on",
     "free_ports",
     "gateway_argv",
+    "worker_args",
     "http_status",
     "sim_argv",
     "sim_fleet",
@@ -342,11 +343,19 @@ def sim_argv(
     return argv + list(extra)
 
 
+def worker_args() -> list[str]:
+    """``--workers N`` when ``ROLLOUT_TESTBED_WORKERS`` asks for it: the test layers that
+    start ``serve`` run with N data-plane workers."""
+    workers = os.environ.get("ROLLOUT_TESTBED_WORKERS", "").strip()
+    return ["--workers", workers] if workers else []
+
+
 def gateway_argv(
     port: int, replicas: Sequence[str], *, python: str = sys.executable, extra: Sequence[str] = ()
 ) -> list[str]:
-    """``python -m gateway serve --port PORT [extra] --replica URL ...``"""
-    argv = [python, "-m", "gateway", "serve", "--port", str(port), *extra]
+    """``python -m gateway serve --port PORT [extra] --replica URL ...``; with
+    ``ROLLOUT_TESTBED_WORKERS=N`` set, ``--workers N`` too (CI runs the fault suite so)."""
+    argv = [python, "-m", "gateway", "serve", "--port", str(port), *worker_args(), *extra]
     for url in replicas:
         argv += ["--replica", url]
     return argv

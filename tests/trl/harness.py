@@ -60,6 +60,13 @@ CHATML_RESPONSE_TEMPLATE: dict[str, Any] = {
 }
 
 
+def _worker_args() -> list[str]:
+    """``ROLLOUT_TESTBED_WORKERS=N`` (as ``rollout_testbed.procs.worker_args``): CI runs
+    this layer against ``serve --workers N`` too."""
+    workers = os.environ.get("ROLLOUT_TESTBED_WORKERS", "").strip()
+    return ["--workers", workers] if workers else []
+
+
 class LayerError(RuntimeError):
     """The TRL layer (model, replicas, gateway) cannot be set up."""
 
@@ -217,7 +224,7 @@ class GatewayProcess:
             str(GATEWAY_PYTHON), "-m", "gateway", "serve", *reps,
             "--port", str(self.port), "--max-staleness", str(self.max_staleness),
             "--health-interval-s", "1", "--health-timeout-s", "1",
-            "--shutdown-timeout-s", "2", *self.extra_args,
+            "--shutdown-timeout-s", "2", *_worker_args(), *self.extra_args,
         ]  # fmt: skip
 
     def start(self, timeout: float = 90.0, require_healthy: bool = True) -> None:

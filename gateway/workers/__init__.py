@@ -1,0 +1,1 @@
+"""``serve --workers N``: data-plane processes on one port, one control-plane owner."""

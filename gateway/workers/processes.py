@@ -1,0 +1,245 @@
+"""``serve --workers N``: a supervisor, one owner of the control plane, N workers.
+
+Why processes: one asyncio process is one core. Rollouts need no shared state but the
+control snapshot (the ring is a pure function of the replica list, so every worker sends
+a prefix where every other would), so N workers on one port scale the data path, and one
+owner keeps every control decision in one place.
+
+* The **supervisor** (this process) reserves the port, forks the owner, waits until its
+  hub listens, forks the workers, and restarts whichever dies: a worker at once (the
+  others keep their connections), the owner too (it rebuilds from the replicas, as a
+  restarted gateway does, and the workers rejoin it; meanwhile they route by their last
+  snapshot and answer control calls 503). SIGTERM drains the workers, then stops the
+  owner. Children die with the supervisor (``PR_SET_PDEATHSIG``).
+* The **owner** is the one-process gateway on a private Unix socket, plus the ``Hub``.
+* Each **worker** binds the port with ``SO_REUSEPORT`` (the kernel spreads connections
+  over the workers) and serves rollouts itself; everything else goes to the owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import logging
+import math
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+
+from gateway.api import FastPath
+from gateway.app import build_gateway, create_app
+from gateway.config import Settings
+from gateway.fleet.shared import SharedState
+from gateway.http.h1server import lean_protocol
+from gateway.http.serving import DrainingServer, listen_socket
+from gateway.workers.owner import Hub, SyncBeforeAnswer
+from gateway.workers.worker import Follower, OwnerProxy, OwnerSession
+
+__all__ = ["supervise"]
+
+log = logging.getLogger("gateway.workers")
+
+_CONTROL, _OWNER = "control.sock", "owner.sock"
+_PUBLISH_S = 0.05
+"""How often the owner publishes background changes (health, ticks, expiries)."""
+_RESTARTS, _RESTART_WINDOW_S = 5, 30.0
+"""A worker that dies this often within the window: give up (the whole gateway exits)."""
+
+
+def supervise(settings: Settings, workers: int) -> int:
+    """Run the gateway as an owner and ``workers`` workers until SIGTERM; the exit code."""
+    rundir = Path(tempfile.mkdtemp(prefix="rollout-gateway-"))  # 0700: only this user
+    # Bound, never listening: holds the port (for SO_REUSEPORT binders of this user
+    # only) and gets no connections.
+    reserve = listen_socket(settings.host, settings.port, reuse_port=True)
+    port = reserve.getsockname()[1]
+    stopping: list[int] = []
+    fork = multiprocessing.get_context("fork")
+    shared = SharedState(len(settings.replicas))
+
+    def start(target: Callable[..., None], *args: object) -> BaseProcess:
+        proc = fork.Process(target=_child, args=(os.getpid(), target, *args), daemon=False)
+        proc.start()
+        return proc
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        owner = start(_owner_main, settings, shared, rundir)
+        if not _wait_for(rundir / _CONTROL, owner, stopping, timeout=600.0):
+            log.error("the owner process did not start (exit code %s)", owner.exitcode)
+            _stop([owner], 5.0)
+            return 3
+        procs = {
+            k: start(_worker_main, settings, shared, k, workers, rundir, port)
+            for k in range(workers)
+        }
+        log.info("%d workers on http://%s:%d (pids %s), owner pid %d", workers, settings.host,
+                 port, [p.pid for p in procs.values()], owner.pid)  # fmt: skip
+        deaths: list[float] = []
+        while not stopping:
+            time.sleep(0.1)
+            if not owner.is_alive():
+                log.error("the owner (pid %s) exited with %s; restarting it; workers keep "
+                          "serving by their last control snapshot", owner.pid,
+                          owner.exitcode)  # fmt: skip
+                (rundir / _CONTROL).unlink(missing_ok=True)
+                owner = start(_owner_main, settings, shared, rundir)
+            for k, proc in procs.items():
+                if proc.is_alive():
+                    continue
+                now = time.monotonic()
+                deaths = [t for t in deaths if now - t < _RESTART_WINDOW_S] + [now]
+                if len(deaths) > _RESTARTS:
+                    log.error("workers died %d times in %.0f s; stopping the gateway",
+                              len(deaths), _RESTART_WINDOW_S)  # fmt: skip
+                    _stop([*procs.values(), owner], settings.shutdown_timeout_s)
+                    return 1
+                log.error("worker %d (pid %s) exited with %s; restarting it", k, proc.pid,
+                          proc.exitcode)  # fmt: skip
+                procs[k] = start(_worker_main, settings, shared, k, workers, rundir, port)
+        # SIGTERM: the workers drain (each stops accepting, finishes what it has), then
+        # the owner goes: control calls keep working while rollouts drain.
+        _stop(list(procs.values()), settings.shutdown_timeout_s + 5.0)
+        _stop([owner], 10.0)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        reserve.close()
+        shutil.rmtree(rundir, ignore_errors=True)
+
+
+def _wait_for(path: Path, proc: BaseProcess, stopping: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stopping:
+        if path.exists():
+            return True
+        if not proc.is_alive():
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def _stop(procs: list[BaseProcess], timeout: float) -> None:
+    for proc in procs:
+        if proc.is_alive() and proc.pid is not None:
+            os.kill(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+
+
+def _child(parent: int, target: Callable[..., None], *args: object) -> None:
+    """In a forked child: die with the supervisor, default signals, then ``target``."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the supervisor died before prctl took effect
+        os._exit(1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    target(*args)
+
+
+def _serve(app: object, sock: socket.socket, settings: Settings, lean: bool) -> None:
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 20, 20)
+    serve = app.serve if lean and isinstance(app, FastPath) else None
+    config = uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        loop="uvloop",
+        http=lean_protocol(serve) if serve is not None else "httptools",
+        access_log=False,
+        proxy_headers=False,
+        log_config=None,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
+    )
+    server = DrainingServer(config)
+    server.run(sockets=[sock])
+    if not server.started:
+        os._exit(3)
+
+
+def _owner_main(settings: Settings, shared: SharedState, rundir: Path) -> None:
+    hubs: list[Hub] = []
+
+    @contextlib.asynccontextmanager
+    async def attach() -> AsyncIterator[None]:
+        hub = hubs[0]
+        gw = hub.gw
+        gw.peers = hub
+        for tenant in gw.tenancy:
+            tenant.manager.before_unload = hub.drained
+            tenant.elsewhere = hub.run_drained
+        await hub.start()  # the supervisor starts the workers once this socket exists
+        task = asyncio.create_task(hub.run(_PUBLISH_S), name="gateway-publish")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await hub.aclose()
+
+    app = create_app(settings, attach, shared)
+    hub = Hub(app.gateway, str(rundir / _CONTROL))
+    hubs.append(hub)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    (rundir / _OWNER).unlink(missing_ok=True)
+    sock.bind(str(rundir / _OWNER))
+    os.chmod(rundir / _OWNER, 0o600)
+    sock.listen(1024)  # workers' requests queue while the owner starts up
+    _serve(SyncBeforeAnswer(app, hub), sock, settings, lean=False)
+
+
+def _worker_main(
+    settings: Settings, shared: SharedState, worker: int, workers: int, rundir: Path,
+    port: int,
+) -> None:  # fmt: skip
+    # Admission limits are per process: split the gateway's between the workers.
+    limits = {
+        name: math.ceil(value / workers)
+        for name in ("max_in_flight", "max_in_flight_per_client")
+        if (value := getattr(settings, name)) is not None
+    }
+    settings = settings.model_copy(update=limits)
+    gw = build_gateway(settings, shared)
+    owner = OwnerSession(str(rundir / _OWNER))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        follower = Follower(gw, worker, str(rundir / _CONTROL))
+        reader = await follower.connect(timeout=30.0)
+        task = asyncio.create_task(follower.run(reader), name="gateway-follow")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await owner.aclose()
+            await gw.upstream.aclose()
+
+    inner = Starlette(
+        lifespan=lifespan,
+        middleware=[Middleware(OwnerProxy, owner=owner, max_body_bytes=settings.max_body_bytes)],
+    )
+    inner.state.gateway = gw
+    sock = listen_socket(settings.host, port, reuse_port=True)
+    _serve(FastPath(inner), sock, settings, lean=True)

@@ -1,0 +1,168 @@
+"""The control state a data-plane worker routes by, as one immutable value.
+
+The owner process applies every control call and every health change; a worker only
+ever reads the last ``ControlSnapshot`` it was sent. What a rollout needs is small: which
+replicas are in rotation, and per run its homes, its pause, and which replicas serve each
+adapter name. (Outlier breakers are not control state: every process reads and writes
+the same ones, ``gateway.fleet.shared``.) ``capture`` reads it off the
+owner's ``Gateway``; ``SnapshotRoutes`` answers a rollout's adapter questions from it the
+way ``AdapterManager`` does, so ``gateway.api.rollout`` takes the same path in both.
+
+Sans-I/O: no sockets, no clock; the wire form is plain JSON.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.core import Gateway
+
+__all__ = ["ControlSnapshot", "RunView", "SnapshotRoutes", "capture"]
+
+_EMPTY: Mapping[str, frozenset[int]] = MappingProxyType({})
+_NO_RESETS: Mapping[int, int] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class RunView:
+    """One run as the data path sees it (single-run mode: the run named ``""``)."""
+
+    name: str
+    homes: frozenset[int] = frozenset()
+    unplaced: str | None = None
+    paused: str | None = None
+    adapters: Mapping[str, frozenset[int]] = field(default_factory=lambda: _EMPTY)
+    """Every registered adapter name -> replicas that may serve it (empty: not now)."""
+    live: frozenset[str] = frozenset()
+    base_models: frozenset[str] = frozenset()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "homes": sorted(self.homes),
+            "unplaced": self.unplaced,
+            "paused": self.paused,
+            "adapters": {n: sorted(r) for n, r in self.adapters.items()},
+            "live": sorted(self.live),
+            "base_models": sorted(self.base_models),
+        }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> RunView:
+        return cls(
+            name=data["name"],
+            homes=frozenset(data["homes"]),
+            unplaced=data["unplaced"],
+            paused=data["paused"],
+            adapters=MappingProxyType({n: frozenset(r) for n, r in data["adapters"].items()}),
+            live=frozenset(data["live"]),
+            base_models=frozenset(data["base_models"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ControlSnapshot:
+    """Everything the data path may read of the control plane, at one ``epoch``."""
+
+    epoch: int
+    healthy: frozenset[int]
+    """Replicas in rotation (admitted, reconciled, in the fleet's pause state)."""
+    runs: tuple[RunView, ...]
+    cache_resets: Mapping[int, int] = field(default_factory=lambda: _NO_RESETS)
+    """Replica -> how often its prefix cache was emptied (a change: forget what the
+    router learned about it)."""
+
+    def same_state(self, other: ControlSnapshot | None) -> bool:
+        """Equal but for the epoch: nothing to publish."""
+        return other is not None and replace(other, epoch=self.epoch) == self
+
+    def run(self, name: str) -> RunView | None:
+        return next((r for r in self.runs if r.name == name), None)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "healthy": sorted(self.healthy),
+            "runs": [r.to_wire() for r in self.runs],
+            "cache_resets": {str(i): n for i, n in self.cache_resets.items()},
+        }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> ControlSnapshot:
+        return cls(
+            epoch=data["epoch"],
+            healthy=frozenset(data["healthy"]),
+            runs=tuple(RunView.from_wire(r) for r in data["runs"]),
+            cache_resets=MappingProxyType({int(i): n for i, n in data["cache_resets"].items()}),
+        )
+
+
+def capture(gw: Gateway, epoch: int) -> ControlSnapshot:
+    """The owner's control state now."""
+    runs = []
+    for tenant in gw.tenancy:
+        adapters, live, bases = tenant.manager.core.routing_view()
+        runs.append(
+            RunView(
+                name=tenant.name,
+                homes=frozenset(tenant.homes),
+                unplaced=tenant.unplaced,
+                paused=tenant.paused,
+                adapters=MappingProxyType(adapters),
+                live=live,
+                base_models=bases,
+            )
+        )
+    return ControlSnapshot(
+        epoch=epoch,
+        healthy=frozenset(gw.pool.healthy_indices()),
+        runs=tuple(runs),
+        cache_resets=MappingProxyType(dict(gw.cache_resets)),
+    )
+
+
+class SnapshotRoutes:
+    """A run's adapters as one snapshot says, with ``AdapterManager``'s answers.
+
+    ``in_flight`` is the worker's own count per (name, replica); it outlives snapshots
+    (a new one gets the same counter), so the owner can ask whether a copy it retires
+    still has requests here before it unloads it."""
+
+    __slots__ = ("_view", "in_flight")
+
+    def __init__(self, view: RunView, in_flight: Counter[tuple[str, int]]) -> None:
+        self._view = view
+        self.in_flight = in_flight
+
+    def candidates(self, model: str | None) -> frozenset[int] | None:
+        if model is None:
+            return None
+        found = self._view.adapters.get(model)
+        if found is not None:
+            return found
+        bases = self._view.base_models
+        return None if not bases or model in bases else frozenset()
+
+    def is_live(self, name: str) -> bool:
+        return name in self._view.live
+
+    def request_started(self, name: str, replica: int) -> bool:
+        cands = self.candidates(name)
+        if cands is None:
+            return True
+        if replica not in cands:
+            return False
+        self.in_flight[(name, replica)] += 1
+        return True
+
+    def request_finished(self, name: str, replica: int) -> None:
+        key = (name, replica)
+        if self.in_flight[key] <= 1:
+            self.in_flight.pop(key, None)
+        else:
+            self.in_flight[key] -= 1

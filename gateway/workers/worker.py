@@ -1,0 +1,218 @@
+"""A data-plane worker: routes rollouts by the owner's snapshots, sends it the rest.
+
+The worker's ``Gateway`` has the same pool, router, upstream and metrics as a
+one-process gateway, and serves ``POST /v1/completions`` and chat completions on the
+same code path. It runs no health loop, no adapter lifecycle and no control call: its
+replica health, outlier ejections, run homes, pauses and adapter candidates are the last
+``ControlSnapshot`` the owner sent (``Follower.apply``). Every other request goes to
+the owner as it came (``OwnerProxy``), over the owner's Unix socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from starlette.types import ASGIApp, Receive, Scope, Send
+from yarl import URL
+
+from gateway.api.requests import read_body
+from gateway.errors import GatewayError, UpstreamUnavailable
+from gateway.workers.channel import read_message, write_message
+from gateway.workers.snapshot import ControlSnapshot, RunView, SnapshotRoutes
+
+if TYPE_CHECKING:
+    from gateway.core import Gateway
+
+__all__ = ["Follower", "OwnerProxy", "OwnerSession"]
+
+log = logging.getLogger("gateway.workers")
+
+_RECONNECT_S = 0.25
+_HOP_BY_HOP = frozenset(
+    (b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
+     b"transfer-encoding", b"upgrade")
+)  # fmt: skip
+_OWN = _HOP_BY_HOP | {b"date", b"server"}  # the worker's server adds its own
+
+
+class Follower:
+    """The worker's end of the owner's channel: applies snapshots, acks them, answers
+    the owner's questions, and reports the ejections this worker decided."""
+
+    def __init__(self, gw: Gateway, worker: int, path: str) -> None:
+        self.gw = gw
+        self.worker = worker
+        self.path = path
+        self.snapshot: ControlSnapshot | None = None
+        self.in_flight: Counter[tuple[str, int]] = Counter()
+        """(adapter, replica) -> this worker's requests on that copy."""
+        self._writer: asyncio.StreamWriter | None = None
+        gw.report = self._report
+
+    async def connect(self, timeout: float) -> asyncio.StreamReader:
+        """Join the owner and apply its current snapshot (the worker serves nothing
+        before it has one)."""
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path), timeout)
+        write_message(writer, {"op": "hello", "worker": self.worker, "pid": os.getpid()})
+        first = await asyncio.wait_for(read_message(reader), timeout)
+        self._writer = writer
+        self._handle(first)
+        return reader
+
+    async def run(self, reader: asyncio.StreamReader) -> None:
+        """Follow the owner for the worker's life; while it is gone (restarting), keep
+        serving by the last snapshot and rejoin as soon as it is back."""
+        while True:
+            try:
+                while True:
+                    self._handle(await read_message(reader))
+            except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+                log.warning("worker %d: lost the owner; serving by control snapshot %s "
+                            "until it is back", self.worker,
+                            self.snapshot.epoch if self.snapshot else None)  # fmt: skip
+            self._writer = None
+            while True:
+                await asyncio.sleep(_RECONNECT_S)
+                with contextlib.suppress(OSError, TimeoutError, asyncio.IncompleteReadError,
+                                         ValueError):  # fmt: skip
+                    reader = await self.connect(timeout=5.0)
+                    break
+
+    def _report(self, message: dict[str, Any]) -> None:
+        if self._writer is not None:
+            write_message(self._writer, message)
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        op = message["op"]
+        if op == "snapshot":
+            snapshot = ControlSnapshot.from_wire(message["snapshot"])
+            self.apply(snapshot)
+            self._report({"op": "ack", "epoch": snapshot.epoch})
+            return
+        value: Any
+        if op == "adapter_in_flight":
+            value = self.in_flight[(message["name"], int(message["replica"]))]
+        elif op == "run_in_flight":
+            value = self.gw.tenancy.tenants[message["run"]].in_flight
+        elif op == "metrics":
+            value = self.gw.metrics.render().decode()
+        elif op == "status":
+            value = self.status()
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        self._report({"op": "reply", "id": message["id"], "value": value})
+
+    def apply(self, snapshot: ControlSnapshot) -> None:
+        """Adopt ``snapshot`` in one synchronous step (no rollout sees half of it)."""
+        gw, old = self.gw, self.snapshot
+        for index in gw.pool.follow(snapshot.healthy):
+            gw.out_of_rotation(index)  # abort what waits on it here, as the owner did
+        if old is not None:
+            for index, count in snapshot.cache_resets.items():
+                if old.cache_resets.get(index) != count:
+                    gw.router.forget_replica(index)
+        for tenant in gw.tenancy:
+            view = snapshot.run(tenant.name) or RunView(tenant.name)
+            tenant.routes = SnapshotRoutes(view, self.in_flight)
+            tenant.homes, tenant.unplaced = view.homes, view.unplaced
+            if view.paused is None and tenant.paused is not None:
+                tenant.resume()
+            elif view.paused is not None and view.paused != tenant.paused:
+                tenant.hold(view.paused)
+        self.snapshot = snapshot
+
+    def status(self) -> dict[str, Any]:
+        gw = self.gw
+        return {
+            "worker": self.worker,
+            "pid": os.getpid(),
+            "snapshot": self.snapshot.epoch if self.snapshot else None,
+            "in_flight": gw.admission.in_flight,
+            "replicas": {str(r.index): [r.in_flight, r.served] for r in gw.pool.replicas},
+            "routing": gw.metrics.routing_counts(),
+        }
+
+
+class OwnerSession:
+    """The worker's HTTP client to the owner's Unix socket (made on first use, on the
+    worker's event loop)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=self.path),
+                auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            )
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class OwnerProxy:
+    """ASGI middleware of a worker's app: every HTTP request that reaches it (all but
+    rollouts) goes to the owner as it came, and its answer back as it comes."""
+
+    def __init__(self, app: ASGIApp, owner: OwnerSession, max_body_bytes: int) -> None:
+        self.app = app
+        self.owner = owner
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
+        length = next((v for k, v in headers if k == b"content-length"), None)
+        try:
+            body = await read_body(receive, length, self.max_body_bytes)
+        except GatewayError as exc:
+            await _error(send, exc)
+            return
+        target = scope["raw_path"] + (b"?" + qs if (qs := scope["query_string"]) else b"")
+        try:
+            response = await self.owner.session().request(
+                scope["method"],
+                URL("http://owner" + target.decode("latin-1"), encoded=True),
+                headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers],
+                data=body or None,
+                allow_redirects=False,
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            )
+        except (aiohttp.ClientError, OSError):
+            await _error(send, UpstreamUnavailable(
+                "The gateway's control plane is restarting; retry shortly.",
+                headers={"Retry-After": "1"},
+            ))  # fmt: skip
+            return
+        try:
+            await send({
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": [(k, v) for k, v in response.raw_headers
+                            if k.lower() not in _OWN],
+            })  # fmt: skip
+            async for chunk in response.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            response.close()
+
+
+async def _error(send: Send, exc: GatewayError) -> None:
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": exc.body()})
