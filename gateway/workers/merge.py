@@ -13,6 +13,7 @@ Instead the owner asks each worker for its own exposition and adds them up here:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -75,7 +76,8 @@ class _Fixed(Collector):
 
 def add_workers(status: dict[str, Any], workers: Sequence[Mapping[str, Any]]) -> None:
     """``/gateway/status`` of the whole gateway: the workers' rollouts counted in, and
-    each worker listed (its pid, its control snapshot, its in-flight requests)."""
+    each worker listed (its pid, its control snapshot, its requests in flight and routed
+    so far), and the owner's pid."""
     by_index = {r["index"]: r for r in status["replicas"]}
     routing: dict[str, float] = dict(status.get("routing", {}))
     for worker in workers:
@@ -87,7 +89,8 @@ def add_workers(status: dict[str, Any], workers: Sequence[Mapping[str, Any]]) ->
         for reason, count in worker["routing"].items():
             routing[reason] = routing.get(reason, 0) + count
     status["routing"] = routing
+    status["owner_pid"] = os.getpid()
     status["workers"] = sorted(
-        ({k: w[k] for k in ("worker", "pid", "snapshot", "in_flight")} for w in workers),
+        ({k: w[k] for k in ("worker", "pid", "snapshot", "in_flight", "routed")} for w in workers),
         key=lambda w: w["worker"],
     )

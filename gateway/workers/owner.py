@@ -65,10 +65,14 @@ class Hub:
         gw: Gateway,
         path: str,
         *,
+        workers: int = 1,
         ack_timeout_s: float = 5.0,
+        join_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.gw = gw
+        self.workers = workers
+        self.join_timeout_s = join_timeout_s
         self.path = path
         self.ack_timeout_s = ack_timeout_s
         self.clock = clock
@@ -77,6 +81,8 @@ class Hub:
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self._server: asyncio.Server | None = None
+        self._joined: set[int] = set()
+        self._all_joined = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # --- lifecycle -------------------------------------------------------------------
@@ -196,6 +202,13 @@ class Hub:
         try:
             hello = await asyncio.wait_for(read_message(reader), self.ack_timeout_s)
             link = _Link(int(hello["worker"]), int(hello["pid"]), writer)
+            # At start, no worker listens before all have joined: keep-alive clients that
+            # connect at once would otherwise all land on the first one, for good.
+            self._joined.add(link.worker)
+            if len(self._joined) >= self.workers:
+                self._all_joined.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_joined.wait(), self.join_timeout_s)
             async with self._lock:  # no publish can slip between its snapshot and joining
                 old = self.links.get(link.worker)
                 if old is not None:

@@ -80,7 +80,7 @@ def supervise(settings: Settings, workers: int) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        owner = start(_owner_main, settings, shared, rundir)
+        owner = start(_owner_main, settings, shared, workers, rundir)
         if not _wait_for(rundir / _CONTROL, owner, stopping, timeout=600.0):
             log.error("the owner process did not start (exit code %s)", owner.exitcode)
             _stop([owner], 5.0)
@@ -99,7 +99,7 @@ def supervise(settings: Settings, workers: int) -> int:
                           "serving by their last control snapshot", owner.pid,
                           owner.exitcode)  # fmt: skip
                 (rundir / _CONTROL).unlink(missing_ok=True)
-                owner = start(_owner_main, settings, shared, rundir)
+                owner = start(_owner_main, settings, shared, workers, rundir)
             for k, proc in procs.items():
                 if proc.is_alive():
                     continue
@@ -180,7 +180,7 @@ def _serve(app: object, sock: socket.socket, settings: Settings, lean: bool) -> 
         os._exit(3)
 
 
-def _owner_main(settings: Settings, shared: SharedState, rundir: Path) -> None:
+def _owner_main(settings: Settings, shared: SharedState, workers: int, rundir: Path) -> None:
     hubs: list[Hub] = []
 
     @contextlib.asynccontextmanager
@@ -200,7 +200,7 @@ def _owner_main(settings: Settings, shared: SharedState, rundir: Path) -> None:
             await hub.aclose()
 
     app = create_app(settings, attach, shared)
-    hub = Hub(app.gateway, str(rundir / _CONTROL))
+    hub = Hub(app.gateway, str(rundir / _CONTROL), workers=workers)
     hubs.append(hub)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     (rundir / _OWNER).unlink(missing_ok=True)

@@ -134,6 +134,7 @@ class Follower:
             "pid": os.getpid(),
             "snapshot": self.snapshot.epoch if self.snapshot else None,
             "in_flight": gw.admission.in_flight,
+            "routed": sum(r.served for r in gw.pool.replicas),
             "replicas": {str(r.index): [r.in_flight, r.served] for r in gw.pool.replicas},
             "routing": gw.metrics.routing_counts(),
         }

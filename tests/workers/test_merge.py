@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -307,7 +308,8 @@ def test_add_workers_sums_per_replica_and_routing() -> None:
     assert status["in_flight"] == 1 + 1 + 2
     assert status["routing"] == {"ring": 1 + 2, "spill": 1}
     assert [w["worker"] for w in status["workers"]] == [1, 3]
-    assert set(status["workers"][0]) == {"worker", "pid", "snapshot", "in_flight"}
+    assert set(status["workers"][0]) == {"worker", "pid", "snapshot", "in_flight", "routed"}
+    assert [w["routed"] for w in status["workers"]] == [2, 2]  # acquired: served
     assert status["workers"][0]["in_flight"] == 1 and status["workers"][1]["in_flight"] == 2
     assert status["workers"][0]["snapshot"] is None  # it never followed a snapshot
     assert orjson.loads(orjson.dumps(status))["workers"] == status["workers"]
@@ -320,12 +322,14 @@ def test_add_workers_ignores_replicas_the_owner_does_not_list() -> None:
         "routing": {},
     }
     add_workers(status, [{
-        "worker": 0, "pid": 10, "snapshot": 4, "in_flight": 3,
+        "worker": 0, "pid": 10, "snapshot": 4, "in_flight": 3, "routed": 8,
         "replicas": {"0": [2, 7], "9": [1, 1]}, "routing": {"fallback": 3},
     }])  # fmt: skip
     assert status["replicas"] == [{"index": 0, "in_flight": 3, "served": 12}]
     assert status["routing"] == {"fallback": 3}
-    assert status["workers"] == [{"worker": 0, "pid": 10, "snapshot": 4, "in_flight": 3}]
+    assert status["workers"] == [
+        {"worker": 0, "pid": 10, "snapshot": 4, "in_flight": 3, "routed": 8}
+    ]
 
 
 def test_add_workers_with_no_workers() -> None:
@@ -333,4 +337,5 @@ def test_add_workers_with_no_workers() -> None:
                               "in_flight": 1, "routing": {"ring": 2}}  # fmt: skip
     add_workers(status, [])
     assert status == {"replicas": [{"index": 0, "in_flight": 1, "served": 5}],
-                      "in_flight": 1, "routing": {"ring": 2}, "workers": []}  # fmt: skip
+                      "in_flight": 1, "routing": {"ring": 2}, "workers": [],
+                      "owner_pid": os.getpid()}  # fmt: skip
