@@ -64,12 +64,16 @@ test-container: venv
 
 # Three pytest runs: the fast layer, then each real-vLLM layer on its own, so that no more
 # than two vLLM replicas share the 2 cores at any time.
+# The fault suite and the TRL layer run twice: one gateway process, then `serve --workers 2`
+# (ROLLOUT_TESTBED_WORKERS); tests/e2e/test_vllm_workers.py is the adapter e2e through 2 workers.
 test: venv vllm tools lint
 	$(BIN)/python -m pytest -m "not e2e" -q --ignore=tests/container
+	ROLLOUT_TESTBED_WORKERS=2 $(BIN)/python -m pytest tests/faults -q
 	$(BIN)/python -m pytest tests/container -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/local -q
 	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/e2e -q
 	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) -m pytest tests/trl -q -p no:cacheprovider
+	ROLLOUT_TESTBED_WORKERS=2 PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) -m pytest tests/trl -q -p no:cacheprovider
 	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) -m pytest tests/trainer -q -p no:cacheprovider
 
 demo: venv vllm

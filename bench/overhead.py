@@ -102,12 +102,15 @@ class Fleet:
 
 
 def cpu_ns(pid: int) -> int:
-    """On-CPU nanoseconds of every live thread of ``pid`` (``/proc/PID/task/*/schedstat``)."""
+    """On-CPU nanoseconds of every live thread of ``pid`` and of its descendants
+    (``/proc/PID/task/*/schedstat``; ``serve --workers N`` is a tree of processes)."""
     total = 0
     with contextlib.suppress(OSError):
         for task in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as f:
                 total += int(f.read().split()[0])
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+                total += sum(cpu_ns(int(child)) for child in f.read().split())
     return total
 
 
@@ -287,6 +290,16 @@ def fleet_up(
             pids["gateway-before"] = base.popen.pid
             wait_http(fronts["gateway-before"] + "/health", proc=base, timeout=30)
 
+        for k in args.workers_variant:  # the same flags, ``--workers K``, same placement
+            w_port = free_port()
+            argv = [*gw_argv, "--workers", str(k)]
+            argv[argv.index(str(gw_port))] = str(w_port)
+            name = f"gateway-w{k}"
+            proc = fleet.start(name, argv, "front")
+            fronts[name] = f"http://127.0.0.1:{w_port}"
+            pids[name] = proc.popen.pid
+            wait_http(fronts[name] + "/health", proc=proc, timeout=30)
+
         router = None
         started = None if args.no_router else start_vllm_router(fleet, up_urls)
         if started is not None:
@@ -334,6 +347,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SRC",
         help="also run the gateway of another checkout (e.g. a `git worktree` of an older "
         "commit) as front 'gateway-before', same venv and flags: a before/after in one run",
+    )
+    parser.add_argument(
+        "--workers-variant",
+        type=int,
+        action="append",
+        default=[],
+        metavar="K",
+        help="also run the gateway with --workers K as front 'gateway-wK' (repeatable); "
+        "pinned like the others (CPU time of its whole process tree is what it costs)",
     )
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     parser.add_argument("--no-write", action="store_true", help="print only")
