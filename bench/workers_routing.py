@@ -20,11 +20,17 @@ heap; a tap on that heap (``_heap_tap``: ``bench.routing``'s ``heapq`` swapped f
 call) tells the pool when each request finishes, so the worker that sent it decrements its
 count.
 
-Three index variants per N > 1: ``local`` (what ``--workers N`` does: nothing shared),
+Three index variants per N > 1: ``local`` (the per-worker routers, nothing shared),
 ``shared-templates`` (counterfactual: workers share the template set only, so every ring
 key agrees; served prompts stay local) and ``shared`` (counterfactual: one index for all
 workers, loads still local). ``local - shared`` is the cost of not sharing the index;
 ``shared - N=1`` is the cost of local loads alone.
+
+The fix, ``fleet-*``: every router gets ``set_workers(N)`` and is fed the fleet-wide
+in-flight counts through ``set_fleet_loads`` (``gateway/routing/fleet.py``), in four models
+of the wiring (:class:`_Tables`): one 50 ms snapshot for all workers, the same published a
+period late (50-100 ms old), and two stress cases, live counts and each worker sampling
+on its own 50 ms timer. Simulated time comes from the heap tap (a completion's time).
 
 The index question is measured directly too (``replay``): before each real decision the
 request is replayed to *every* worker's router with equal (zero) loads, and we count how
@@ -36,14 +42,16 @@ when one is known, else the whole capped prompt), or some worker remembers the p
 Sizing: 96 groups per replica (4x ``bench/routing.py``'s 24, so template warm-up is a
 small part of the run), workloads a, c (single-turn GRPO) and b (multi-turn), 3 worker-
 assignment seeds per N > 1 (the table shows their mean; the JSON keeps each). Runs in
-under two minutes on 2 cores.
+about four minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import json
+import math
 import random
 import statistics
 import sys
@@ -62,7 +70,8 @@ if str(HERE) not in sys.path:  # run as a script this is already the case
 import routing as sim  # noqa: E402  (bench/routing.py; it puts the repo root on sys.path)
 
 from gateway.routing.config import RoutingConfig  # noqa: E402
-from gateway.routing.index import IndexStats  # noqa: E402
+from gateway.routing.fleet import FleetLoads  # noqa: E402
+from gateway.routing.index import IndexStats, PrefixIndex  # noqa: E402
 from gateway.routing.policy import (  # noqa: E402
     CandidateLoads,
     Decision,
@@ -74,11 +83,33 @@ from gateway.routing.policy import (  # noqa: E402
 )
 
 WORKERS = (1, 2, 8)
-VARIANTS = ("local", "shared-templates", "shared")
-WORKLOADS = ("a", "c", "b")
+# How ``set_fleet_loads`` is fed in the ``fleet-*`` variants (``set_workers(N)``): see _Tables.
+TABLES = ("50ms", "50ms-late", "live", "own-timer")
+FLEET = tuple(f"fleet-{t}" for t in TABLES)
+# Counterfactual: as fleet-50ms, but a prompt a worker served verbatim before follows that
+# worker's record, as one process does (what the fleet mode deliberately does not do).
+FOLLOW = "fleet-50ms-follow"
+VARIANTS = ("local", "shared-templates", "shared", *FLEET, FOLLOW)
+REFRESH_S = 0.050  # the interface's refresh period, in simulated seconds
+ARRIVAL_SPREAD_S = 0.003  # a request reads the table as of its arrival, up to 3 ms later
+WORKLOADS = ("a", "c", "b", "e")
+EPOCHS = 4  # (e): (a)'s first 1/EPOCHS of groups, sent EPOCHS times over
 GROUPS_PER_REPLICA = 96
 MULTI_TURN_GROUPS_PER_REPLICA = 32
 SEEDS = (1, 2, 3)
+# ``--set name=value``: RoutingConfig fields for every router of every pool (to measure a
+# knob; the committed results use the defaults).
+OVERRIDES: dict[str, Any] = {}
+
+
+class _RecordFollowingIndex(PrefixIndex):
+    """``exact`` never answers, so ``_choose_fleet`` sends a verbatim repeat through
+    ``lookup`` and follows this worker's record (the ``FOLLOW`` counterfactual)."""
+
+    __slots__ = ()
+
+    def exact(self, key: Any) -> int | None:
+        return None
 
 
 class WorkerPool:
@@ -95,10 +126,15 @@ class WorkerPool:
         self, workers: int, replicas: int, seed: int, variant: str, replay: bool = True
     ) -> None:
         self.routers: list[PrefixAffinityRouter] = []
+        fleet = variant.startswith("fleet-")
         for _ in range(workers):
-            r = make_router("prefix", RoutingConfig())
+            r = make_router("prefix", RoutingConfig(**OVERRIDES))
             assert isinstance(r, PrefixAffinityRouter)
             r.set_members(range(replicas))
+            if fleet:
+                r.set_workers(workers)  # 1 worker: must change nothing (asserted in run)
+            if variant == FOLLOW:
+                r.index.__class__ = _RecordFollowingIndex
             self.routers.append(r)
         first = self.routers[0].index
         for r in self.routers[1:]:
@@ -107,7 +143,12 @@ class WorkerPool:
             elif variant == "shared-templates":
                 # Counterfactual only: the template set is private state of PrefixIndex.
                 r.index._templates = first._templates
-        self.key_blocks = self.routers[0].config.key_blocks
+        cfg = self.routers[0].config
+        self.fleet = fleet and workers > 1
+        self.key_blocks = cfg.fleet_key_blocks if self.fleet else cfg.key_blocks
+        model = variant.removeprefix("fleet-").removesuffix("-follow")
+        self.tables = _Tables(model, workers, replicas, seed) if fleet else None
+        self._fed: list[dict[int, int] | None] = [None] * workers
         self.local = [dict.fromkeys(range(replicas), 0) for _ in range(workers)]
         self.views = [MappingProxyType(d) for d in self.local]
         self.totals = [0] * workers
@@ -134,8 +175,14 @@ class WorkerPool:
             view: CandidateLoads = CandidateLoads(self.views[w], self.totals[w])
         else:  # a replica left: same candidate set, this worker's counts
             view = CandidateLoads({r: mine[r] for r in candidates.loads})
+        table = None
+        if self.tables is not None:
+            table = self.tables.for_worker(w)
+            if table is not self._fed[w] or self.tables.model == "live":
+                self.routers[w].set_fleet_loads(table)  # a refresh (live: every decision)
+                self._fed[w] = table
         if self.replay:
-            self._replay(request, candidates)
+            self._replay(request, candidates, table)
         return self.routers[w].choose(request, view)
 
     def observe(self, decision: Decision) -> None:
@@ -169,20 +216,39 @@ class WorkerPool:
         self.local[w][r] += 1
         self.totals[w] += 1
         self._inflight[seq] = (w, r)
+        if self.tables is not None:
+            self.tables.live[r] += 1
 
-    def completed(self, seq: int) -> None:
+    def completed(self, seq: int, at: float) -> None:
+        if self.tables is not None:
+            self.tables.tick(at)  # snapshots due by now are taken before this completion
         w, r = self._inflight.pop(seq)
         self.local[w][r] -= 1
         self.totals[w] -= 1
+        if self.tables is not None:
+            self.tables.live[r] -= 1
 
     # -- the index question --------------------------------------------------------------
 
-    def _replay(self, request: RouteRequest, candidates: CandidateLoads) -> None:
-        """Would the workers, as they stand, agree on this request at equal loads?"""
+    def _replay(
+        self, request: RouteRequest, candidates: CandidateLoads, table: dict[int, int] | None
+    ) -> None:
+        """Would the workers, as they stand, agree on this request at equal loads? (Fleet
+        mode: every worker given the deciding worker's snapshot, so only what each learned
+        privately -- its template set, its index -- can make them differ.)"""
         zero = CandidateLoads(dict.fromkeys(candidates.loads, 0), 0)
+        shared = None
+        if table is not None:
+            shared = FleetLoads()
+            shared.update(table)
         picks, depths, affinity = set(), set(), set()
         for router in self.routers:
-            d = router.choose(request, zero)
+            if shared is not None:
+                own, router.fleet = router.fleet, shared
+                d = router.choose(request, zero)
+                router.fleet = own
+            else:
+                d = router.choose(request, zero)
             picks.add(d.replica)
             if d.key is None:
                 continue
@@ -198,6 +264,57 @@ class WorkerPool:
         self.disagree["ring_key" if len(depths) > 1 else "affinity"] += 1
 
 
+class _Tables:
+    """The fleet table each worker is handed, in one of four models of the wiring.
+
+    ``live``: the exact fleet-wide counts at every decision (no staleness at all).
+    ``50ms``: one snapshot of the counts every 50 ms of simulated time, the same for every
+    worker (0-50 ms old). ``50ms-late``: those snapshots published one period late (50-100
+    ms old: the interface's "up to ~100 ms stale"). ``own-timer``: each worker takes its own
+    snapshot every 50 ms, worker w at phase w/N of the period (workers sampling shared
+    counters on their own timers). In the snapshot models a request reads the table as of
+    its arrival, up to ``ARRIVAL_SPREAD_S`` after the sim's send time (the sim sends a
+    group's 8 samples at one instant; real ones spread over a few ms), so some groups
+    straddle a refresh. Snapshots are taken at the first event at or after each boundary,
+    before that event changes the counts: the state at the boundary.
+    """
+
+    def __init__(self, model: str, workers: int, replicas: int, seed: int) -> None:
+        assert model in TABLES, model
+        self.model = model
+        self.live = dict.fromkeys(range(replicas), 0)
+        own = model == "own-timer"
+        self.phases = [w * REFRESH_S / workers for w in range(workers)] if own else [0.0]
+        self.next_epoch = [0] * len(self.phases)
+        self.snaps: dict[tuple[int, int], dict[int, int]] = {}
+        self.rng = random.Random(seed + 7919)  # apart from the worker draw: same workers
+        self.now = 0.0
+        self.tick(0.0)
+
+    def tick(self, now: float) -> None:
+        self.now = now
+        if self.model == "live":
+            return
+        for g, phase in enumerate(self.phases):
+            while phase + self.next_epoch[g] * REFRESH_S <= now:
+                e = self.next_epoch[g]
+                self.snaps.setdefault((g, e), dict(self.live))
+                self.snaps.pop((g, e - 4), None)
+                self.next_epoch[g] += 1
+
+    def for_worker(self, w: int) -> dict[int, int]:
+        if self.model == "live":
+            return self.live
+        g = w if self.model == "own-timer" else 0
+        at = self.now + self.rng.uniform(0.0, ARRIVAL_SPREAD_S)
+        e = math.floor((at - self.phases[g]) / REFRESH_S) - (self.model == "50ms-late")
+        snap = self.snaps.get((g, e))
+        if snap is None:  # past the last boundary ticked (the spread crossed one): now
+            snap = dict(self.live) if e >= 0 else dict.fromkeys(self.live, 0)
+            self.snaps[(g, e)] = snap
+        return snap
+
+
 class _HeapTap:
     """Stands in for ``heapq`` inside ``sim.simulate``: reports pushes and pops by seq."""
 
@@ -210,7 +327,7 @@ class _HeapTap:
 
     def heappop(self, heap: list[Any]) -> Any:
         item = heapq.heappop(heap)
-        self.pool.completed(item[1])
+        self.pool.completed(item[1], item[0])
         return item
 
 
@@ -231,10 +348,15 @@ def _heap_tap(pool: WorkerPool) -> Iterator[None]:
 def group_stats(res: sim.RunResult) -> dict[str, float]:
     groups = list(res.group_replicas.values())
     whole = sum(len(c) == 1 for c in groups) / max(1, len(groups))
+    # Past the template warm-up: groups after the first quarter of the run (by group id).
+    cut = (max(res.group_replicas, default=0) + 1) // 4
+    late = [c for g, c in res.group_replicas.items() if g >= cut]
+    whole_late = sum(len(c) == 1 for c in late) / max(1, len(late))
     spread = statistics.mean(len(c) for c in groups) if groups else 0.0
     peaks = [p for p in res.peak if p > 0] or [1]
     return {
         "groups_whole": round(whole, 4),
+        "groups_whole_after_warmup": round(whole_late, 4),
         "replicas_per_group": round(spread, 4),
         "peak_max_over_mean": round(max(peaks) / statistics.mean(peaks), 3),
     }
@@ -249,10 +371,12 @@ def run_one(
     seed: int,
     o_hit: float,
 ) -> dict[str, Any]:
-    # Replay (the most expensive part at 8 workers) only the real configuration: with one
+    # Replay (the most expensive part at 8 workers) only the real configurations: with one
     # shared index every worker has the same state and ring, so a replay at equal loads
-    # agrees by construction, and with a shared template set the ring keys do.
-    pool = WorkerPool(workers, replicas, seed, variant, replay=variant == "local")
+    # agrees by construction, and with a shared template set the ring keys do. Of the
+    # fleet variants, the one with shared 50 ms snapshots (the others differ only in
+    # what table each worker is handed, which the replay equalises anyway).
+    pool = WorkerPool(workers, replicas, seed, variant, replay=variant in REPLAYED)
     slots = 4 * replicas if wl != "b" else max(2, replicas)
     t0 = time.perf_counter()
     with _heap_tap(pool):
@@ -288,11 +412,14 @@ def run_one(
     )
 
 
+REPLAYED = ("local", "fleet-50ms")
+
 MEAN_KEYS = (
     "hit_rate",
     "hit_vs_oracle",
     "colocation",
     "groups_whole",
+    "groups_whole_after_warmup",
     "replicas_per_group",
     "continuation_same_replica",
     "spill",
@@ -320,6 +447,25 @@ def mean_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for k in sorted({k for r in runs for k in r["reasons"]})
     }
     return out
+
+
+class Epochs(sim.Workload):
+    """(e): (a)'s prompts, each sent again in every one of ``EPOCHS`` epochs (a small
+    dataset trained for several epochs): group g has group g % (groups / EPOCHS)'s prompt,
+    so every worker that saw a prompt before holds a record of where *it* sent it."""
+
+    def __init__(self, groups: int, seed: int) -> None:
+        super().__init__("a", groups, seed)
+        self.distinct = max(1, groups // EPOCHS)
+
+    def group(self, g: int) -> list[sim.Trajectory]:
+        return [dataclasses.replace(t, group=g) for t in super().group(g % self.distinct)]
+
+
+def workload(wl: str, replicas: int) -> sim.Workload:
+    per = MULTI_TURN_GROUPS_PER_REPLICA if wl == "b" else GROUPS_PER_REPLICA
+    seed = replicas * 31 + ord(wl if wl != "e" else "a")
+    return Epochs(per * replicas, seed) if wl == "e" else sim.Workload(wl, per * replicas, seed)
 
 
 def template_exposure(groups: sim.Workload, replicas: int) -> dict[str, Any]:
@@ -361,8 +507,7 @@ def run(replicas: int) -> dict[str, Any]:
         "exposure": {},
     }
     for wl in WORKLOADS:
-        per = MULTI_TURN_GROUPS_PER_REPLICA if wl == "b" else GROUPS_PER_REPLICA
-        groups = sim.Workload(wl, per * replicas, seed=replicas * 31 + ord(wl))
+        groups = workload(wl, replicas)
         slots = 4 * replicas if wl != "b" else max(2, replicas)
         oracle = sim.simulate(
             sim.make_policy("oracle", 1), groups, 1, slots, cache_blocks=4096 * replicas
@@ -377,6 +522,10 @@ def run(replicas: int) -> dict[str, Any]:
                 if n == 1:  # the pool of one is bench/routing.py's prefix policy, exactly
                     assert per_seed[0]["reasons"] == dict(base.reasons)
                     assert per_seed[0]["hit_rate"] == sim.summarize(base, o_hit)["hit_rate"]
+                    # ... and so is it after set_workers(1), fed a fleet table it must ignore
+                    one = run_one(wl, groups, replicas, 1, "fleet-50ms", 0, o_hit)
+                    for k in ("reasons", "hit_rate", "served_max_over_mean", "colocation"):
+                        assert one[k] == per_seed[0][k], k
                 rows[f"{n}/{variant}"] = {"mean": mean_of(per_seed), "per_seed": per_seed}
                 m = rows[f"{n}/{variant}"]["mean"]
                 print(
@@ -440,6 +589,104 @@ def table_lines(data: dict[str, Any]) -> list[str]:
                 f"{_replay(m)} |"
             )
     return lines
+
+
+SUMMARY = (
+    ("local", "per worker (before)"),
+    ("fleet-50ms", "fleet: one 50 ms snapshot"),
+    ("fleet-50ms-late", "fleet: snapshot 50-100 ms old"),
+)
+STRESS = (
+    ("fleet-live", "fleet: live counts"),
+    ("fleet-own-timer", "fleet: each worker's own 50 ms timer"),
+    (FOLLOW, "counterfactual: repeats follow each worker's record"),
+)
+
+
+def summary_lines(data: dict[str, Any], modes: tuple[tuple[str, str], ...]) -> list[str]:
+    """Before/after: the per-worker routers against ``set_workers(N)`` + fleet table."""
+    lines = [
+        "| workload | workers | routing | groups on one replica | after warm-up | "
+        "co-location | continuation | in-flight max/mean | served max/mean | "
+        "hit vs oracle | spill | replay disagree (template/index) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for wl, rows in data["runs"].items():
+        for n in WORKERS:
+            for variant, label in modes if n > 1 else (("local", "one process"),):
+                m = rows[f"{n}/{variant}"]["mean"]
+                cont = m["continuation_same_replica"]
+                lines.append(
+                    f"| {wl} | {n} | {label} | {m['groups_whole']:.1%} | "
+                    f"{m['groups_whole_after_warmup']:.1%} | {m['colocation']:.2%} | "
+                    f"{'' if cont is None else format(cont, '.1%')} | "
+                    f"{m['inflight_max_over_mean']:.3f} | {m['served_max_over_mean']:.3f} | "
+                    f"{m['hit_vs_oracle']:.4f} | {m['spill']:.2%} | {_replay(m)} |"
+                )
+    return lines
+
+
+def finding_fleet(data: dict[str, Any]) -> str:
+    """The fix, in one paragraph from the measured numbers."""
+    runs = data["runs"]
+
+    def m(wl: str, key: str) -> dict[str, Any]:
+        mean: dict[str, Any] = runs[wl][key]["mean"]
+        return mean
+
+    a2, a8 = m("a", "2/fleet-50ms"), m("a", "8/fleet-50ms")
+    l2, l8 = m("a", "2/fleet-50ms-late"), m("a", "8/fleet-50ms-late")
+    b2, b8 = m("b", "2/fleet-50ms"), m("b", "8/fleet-50ms")
+    ob2, ob8 = m("b", "2/local"), m("b", "8/local")
+    multi = [n for n in WORKERS if n > 1]
+    fleet = ("fleet-50ms", "fleet-50ms-late")
+    worst_whole = min(
+        m(wl, f"{n}/{v}")["groups_whole"] for wl in "ac" for n in multi for v in fleet
+    )
+    worst_d = max(
+        m(wl, f"{n}/{v}")["inflight_max_over_mean"] - m(wl, f"{n}/local")["inflight_max_over_mean"]
+        for wl in runs
+        for n in multi
+        for v in fleet
+    )
+    live8, own8 = m("a", "8/fleet-live"), m("a", "8/fleet-own-timer")
+    e8, oe8, fe8 = m("e", "8/fleet-50ms"), m("e", "8/local"), m("e", f"8/{FOLLOW}")
+    return (
+        "**With `set_workers(N)` and the fleet table.** A new key's replica is the bounded-"
+        "load ring walk over the fleet-wide snapshot (`set_fleet_loads`), keyed one block "
+        "past the template, so every worker that routes a sibling under the same snapshot "
+        "computes the same replica; the private index steers only continuations (a prompt "
+        "extending one this worker sent). Groups of (a) entirely on one replica: "
+        f"{a2['groups_whole']:.1%} at 2 workers and {a8['groups_whole']:.1%} at 8 with one "
+        f"50 ms snapshot for all workers, {l2['groups_whole']:.1%} and {l8['groups_whole']:.1%} "
+        "when it is published a period late (50-100 ms old); over (a), (c) and (e), both "
+        "tables, "
+        f"at worst {worst_whole:.1%}. What still splits: a group whose samples straddle a "
+        "refresh (they arrive over up to 3 ms here) and template warm-up (a worker that has "
+        "not yet seen a template's 32 successors keys the prompt differently: the replay "
+        "shows it as `template`; after the first quarter of the run "
+        f"{a8['groups_whole_after_warmup']:.1%} of (a)'s groups are whole at 8 workers). "
+        "A prompt a worker has served before is placed like a new one (the index does not "
+        "get a say), which is what keeps repeats whole: (e), the same prompts over "
+        f"{EPOCHS} epochs, {e8['groups_whole']:.1%} of groups on one replica at 8 workers "
+        f"(per-worker routers {oe8['groups_whole']:.1%}; following each worker's record, "
+        f"as one process does, {fe8['groups_whole']:.1%}). Its price is cross-epoch cache "
+        "reuse: a repeat whose walk moved since the last epoch misses the prefix still cached "
+        f"where it went then (hit vs oracle {e8['hit_vs_oracle']:.3f} against "
+        f"{oe8['hit_vs_oracle']:.3f} for the per-worker routers, "
+        f"{fe8['hit_vs_oracle']:.3f} following records). Load: in-flight max/mean at most "
+        f"{worst_d:+.3f} against the per-worker routers in any row (negative is better), "
+        f"e.g. (a) {a2['inflight_max_over_mean']:.3f} / {a8['inflight_max_over_mean']:.3f} at "
+        f"2 / 8 workers. Multi-turn (b) gains most: continuation on the same replica "
+        f"{ob2['continuation_same_replica']:.1%} -> {b2['continuation_same_replica']:.1%} at 2 "
+        f"workers and {ob8['continuation_same_replica']:.1%} -> "
+        f"{b8['continuation_same_replica']:.1%} at 8 (the key block is one every turn shares; "
+        "what is left at 8 is conversations whose group the walk moved, which a worker that "
+        "never saw them cannot know). The table must be one snapshot for all workers: fed "
+        f"live counts, (a) at 8 workers keeps {live8['groups_whole']:.1%} of groups whole "
+        "(a sibling's own dispatch changes the next sibling's view), and with each worker "
+        f"sampling on its own 50 ms timer {own8['groups_whole']:.1%}."
+    )
 
 
 def finding(data: dict[str, Any]) -> str:
@@ -520,15 +767,49 @@ def write_markdown(data: dict[str, Any], path: Path) -> None:
         f"Generated by `bench/workers_routing.py` (wall time {data['wall_s']} s) on "
         f"`bench/routing.py`'s workloads: {data['replicas']} replicas, "
         f"{data['groups_per_replica']['a/c']} groups per replica on (a) GRPO and (c) hot "
-        f"prefix, {data['groups_per_replica']['b']} on (b) multi-turn; G = 8. Each worker is "
+        f"prefix, {data['groups_per_replica']['b']} on (b) multi-turn, and (e) = (a)'s first "
+        f"quarter of prompts sent in each of {EPOCHS} epochs (a small dataset trained for "
+        "several epochs: a worker holds a record of where it sent each prompt last time); "
+        "G = 8. Each worker is "
         'a real `PrefixAffinityRouter` (`make_router("prefix", RoutingConfig())`) that '
         "sees only its own requests in flight. **Assignment model: each request goes to a "
         "uniformly random worker** (seeded; the kernel spreading TRL's keep-alive "
         "connections, per request), so a group's 8 samples meet up to 8 workers. Means "
         f"over seeds {data['seeds']} for N > 1; Δ is against 1 worker (identical to "
-        "`bench/routing.py`'s `prefix` policy). `index`: `local` is what `--workers N` "
-        "does; `shared-templates` and `shared` are counterfactuals (template set, or the "
-        "whole index, shared between workers; loads still local).",
+        "`bench/routing.py`'s `prefix` policy, and so is one worker after `set_workers(1)` "
+        "fed a fleet table: asserted).",
+        "",
+        "## Before and after: per-worker routers vs `set_workers(N)` with the fleet table",
+        "",
+        "`per worker (before)`: each worker's own router on its own counts (`--workers N` "
+        "without this change). `fleet`: `set_workers(N)` and `set_fleet_loads` with the "
+        "fleet-wide counts (summed over workers), as one snapshot every 50 ms of simulated "
+        "time handed to every worker (0-50 ms old), or the same snapshots published one "
+        "period late (50-100 ms old, the interface's worst case). A request reads the "
+        "snapshot current at its arrival, up to 3 ms after the sim sends it (a group's "
+        "samples spread over a few ms), so some groups straddle a refresh. `after warm-up`: "
+        "groups after the first quarter of the run. `replay disagree`: every worker handed "
+        "the same snapshot and replayed the request; the fraction on which they would not "
+        "all pick one replica, by cause: template set (ring key) / index (affinity).",
+        "",
+        *summary_lines(data, SUMMARY),
+        "",
+        "Stress rows (how *not* to feed the table): `live` = the exact fleet counts at "
+        "every decision; `own timer` = each worker snapshots the counts every 50 ms at its "
+        "own phase (worker w at w/N of the period), so two workers' tables differ by up to "
+        "50 ms of traffic. And the design's counterfactual: with one 50 ms snapshot, but a "
+        "prompt a worker served verbatim before follows that worker's record (as one "
+        "process's affinity does) instead of being placed like a new key.",
+        "",
+        *summary_lines(data, STRESS),
+        "",
+        finding_fleet(data),
+        "",
+        "## Every variant",
+        "",
+        "`index`: `local` is the per-worker routers; `shared-templates` and `shared` are "
+        "counterfactuals (template set, or the whole index, shared between workers; loads "
+        "still local); `fleet-*` are `set_workers(N)` with the tables above.",
         "",
         *table_lines(data),
         "",
@@ -539,14 +820,15 @@ def write_markdown(data: dict[str, Any], path: Path) -> None:
         "fractions of requests; replay disagree = fraction of requests for which the "
         "workers, replayed at equal loads with their own learned state, would not all pick "
         "the same replica (by cause: different ring keys from different template sets / "
-        "affinity of some worker elsewhere); replayed for `local` only (for the "
+        "affinity of some worker elsewhere); replayed for `local` and `fleet-50ms` (there "
+        "with every worker handed the deciding worker's snapshot) only (for the "
         "counterfactuals the ring-key part, or all of it, is 0 by construction).",
         "",
         f"Template depths of the prompts once learned (blocks of 64 tokens): (a) "
         f"{ex['a']['template_depths']}, (c) {ex['c']['template_depths']}, (b) "
         f"{ex['b']['template_depths']}.",
         "",
-        "## The prefix index",
+        "## The prefix index without `set_workers` (the per-worker routers)",
         "",
         finding(data),
         "",
@@ -569,8 +851,8 @@ def write_plot(data: dict[str, Any], path: Path) -> bool:
         ("inflight_max_over_mean", "in-flight max/mean (time avg)"),
     )
     for ax, (metric, title) in zip(axes, metrics, strict=True):
-        for (wl, rows), marker in zip(data["runs"].items(), "os^", strict=False):
-            for variant, style in (("local", "-"), ("shared", ":")):
+        for (wl, rows), marker in zip(data["runs"].items(), "os^D", strict=False):
+            for variant, style in (("local", "-"), ("shared", ":"), ("fleet-50ms", "--")):
                 ys = [rows[f"{n}/{variant if n > 1 else 'local'}"]["mean"][metric] for n in WORKERS]
                 ax.plot(WORKERS, ys, style, marker=marker, label=f"({wl}) {variant}")
         ax.set_xscale("log", base=2)
@@ -592,18 +874,31 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a RoutingConfig field (e.g. fleet_key_blocks=8); repeatable",
+    )
     args = ap.parse_args(argv)
+    for item in args.set:
+        name, _, value = item.partition("=")
+        OVERRIDES[name] = type(getattr(RoutingConfig(), name))(value)
     t0 = time.perf_counter()
     data = run(args.replicas)
     data["wall_s"] = round(time.perf_counter() - t0, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "workers_routing" if args.replicas == 8 else f"workers_routing-r{args.replicas}"
+    if OVERRIDES:
+        stem += "-" + "-".join(f"{k}={v}" for k, v in sorted(OVERRIDES.items()))
+        data["overrides"] = dict(OVERRIDES)
     (args.out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
     write_markdown(data, args.out / f"{stem}.md")
     plotted = write_plot(data, args.out / f"{stem}.png")
-    print("\n".join(table_lines(data)))
+    print("\n".join(summary_lines(data, SUMMARY + STRESS)))
     print()
-    print(finding(data))
+    print(finding_fleet(data))
     print(
         f"wrote {args.out}/{stem}.{{json,md{',png' if plotted else ''}}} in {data['wall_s']} s"
         + ("" if plotted else " (matplotlib missing: no PNG)")

@@ -47,6 +47,21 @@ class RoutingConfig:
     #: An affinity hit (sibling / continuation) may exceed the bound by this much before it
     #: spills: leaving its KV prefix costs a full prefill, a new key costs nothing.
     affinity_slack: int = 8
+    #: With N > 1 data-plane workers (``set_workers``) new keys are bounded by the fleet-wide
+    #: snapshot (``fleet.py``), up to ~100 ms old; these three replace ``min_load_bound``,
+    #: ``affinity_slack`` and ``key_blocks`` there (measured: ``bench/workers_routing.py``,
+    #: 8 replicas, ``--set name=value``). Floor 2 G: few moves where loads are small, and
+    #: every move is one a conversation's later turn on another worker cannot repeat ((b),
+    #: 8 workers: continuation on the same replica 66 % at 8 -> 88 %; in-flight max/mean
+    #: 1.15 -> 1.18).
+    fleet_min_load_bound: int = 16
+    #: 2 G: the table may not yet show the groups placed since it was taken ((b), 2 workers,
+    #: table 50-100 ms old: spills 1.3 % at 8 -> 0.04 %, groups whole 92 % -> 99 %).
+    fleet_affinity_slack: int = 16
+    #: Ring key one block past the template: a block every sample of a group and every
+    #: turn of its conversations share, so a worker that never saw the conversation still
+    #: computes its replica ((b), 8 workers: continuation 63.5 % at 8 -> 88 %).
+    fleet_key_blocks: int = 1
     #: Virtual nodes per replica on the ring (share spread ~ 1/sqrt(V)).
     virtual_nodes: int = 200
     #: Seed of the ring point hash (change to reshuffle every key's home).
@@ -75,6 +90,7 @@ class RoutingConfig:
             "text_block_bytes",
             "max_blocks",
             "key_blocks",
+            "fleet_key_blocks",
             "virtual_nodes",
             "max_probes",
             "index_capacity",
@@ -87,8 +103,13 @@ class RoutingConfig:
             raise ValueError("routing: template_min_successors must be >= 2")
         if self.load_epsilon <= 0:
             raise ValueError("routing: load_epsilon must be > 0")
-        if self.min_load_bound < 1 or self.affinity_slack < 0:
-            raise ValueError("routing: min_load_bound >= 1 and affinity_slack >= 0 required")
+        if min(self.min_load_bound, self.fleet_min_load_bound) < 1 or (
+            min(self.affinity_slack, self.fleet_affinity_slack) < 0
+        ):
+            raise ValueError(
+                "routing: min_load_bound, fleet_min_load_bound >= 1 and affinity_slack, "
+                "fleet_affinity_slack >= 0 required"
+            )
         re.compile(self.family_pattern)
 
 

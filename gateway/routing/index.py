@@ -23,7 +23,8 @@ What it learns (only through :meth:`PrefixIndex.observe`, called after a decisio
       template. ("Seen on every replica" is not used: after spills or churn a group can
       legitimately be on several replicas.)
 
-Reads (:meth:`template_depth`, :meth:`lookup`) are pure. ``observe`` is the only mutator.
+Reads (:meth:`template_depth`, :meth:`lookup`, :meth:`exact`) are pure. ``observe`` is the
+only mutator.
 
 Memory is bounded: leaves <= ``index_capacity`` (LRU), nodes <= ``node_capacity``
 (insertion-ordered eviction: a hot node is re-inserted when it branches), successor sets are
@@ -160,6 +161,20 @@ class PrefixIndex:
                 ):
                     return entry[0]
         return None
+
+    def exact(self, key: PromptKey) -> int | None:
+        """Replica this exact prompt was last served on (a sibling, a retry), else None.
+
+        A tail exactly one probe length long (1, 2 or 4 token ids) has its probe hash equal
+        to its leaf, so its exact entry is the probe entry filed by the prompt itself."""
+        hashes = key.hashes
+        if not hashes:
+            return None
+        leaf = hashes[-1]
+        hit = self._served.get(leaf)
+        if hit is None or (hit[1] != _EXACT and hit[1] != leaf):
+            return None
+        return hit[0]
 
     def is_template(self, block_hash: int) -> bool:
         return block_hash in self._templates

@@ -22,12 +22,12 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, Protocol, overload
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 from gateway.routing.config import RoutingConfig
+from gateway.routing.decision import CandidateLoads, Decision, Reason, ReplicaView, RouteRequest
+from gateway.routing.fleet import FleetLoads
 from gateway.routing.index import IndexStats, PrefixIndex
 from gateway.routing.prefix import PromptKey, prompt_key
 from gateway.routing.ring import HashRing
@@ -50,123 +50,6 @@ __all__ = [
 
 
 log = logging.getLogger(__name__)
-
-
-class Reason(StrEnum):
-    """Why a replica was chosen; the label set of ``gateway_routing_decisions_total``."""
-
-    AFFINITY = "affinity"
-    RING = "ring"
-    SPILL = "spill"
-    NO_KEY = "no_key"
-    ADAPTER_CONSTRAINT = "adapter_constraint"
-    FALLBACK = "fallback"
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaView:
-    """What a policy may know about one candidate replica."""
-
-    index: int
-    in_flight: int
-
-
-@dataclass(slots=True)
-class RouteRequest:
-    """Everything a policy may look at for one request (parsed once by the caller).
-
-    Treat it as immutable: not ``frozen``, because a frozen dataclass's ``__init__`` (one
-    ``object.__setattr__`` per field) costs ~1 us per routed request.
-
-    ``session_key`` is the ``X-Session-ID`` header if present (the OpenAI ``user`` field is
-    read from the payload). ``lacking_adapter`` names healthy replicas that were filtered out
-    only because they do not hold the adapter; it lets the decision say
-    ``adapter_constraint`` when the key's home is one of them.
-    """
-
-    path: str
-    model: str | None = None
-    payload: Mapping[str, Any] = field(default_factory=dict)
-    session_key: str | None = None
-    lacking_adapter: frozenset[int] = frozenset()
-
-
-class Decision:
-    """The chosen replica, why, and the features ``observe`` needs (no re-hashing).
-
-    A plain ``__slots__`` class (treat it as immutable): built once per routed request, and
-    a frozen dataclass's ``__init__`` costs ~1 us of the decision budget. Equality ignores
-    ``key``, as before.
-    """
-
-    __slots__ = ("key", "moved_by_load", "reason", "replica")
-
-    def __init__(
-        self,
-        replica: int,
-        reason: Reason,
-        key: PromptKey | None = None,
-        moved_by_load: bool = False,
-    ) -> None:
-        self.replica = replica
-        self.reason = reason
-        self.key = key
-        #: A new key (``ring``) that the bounded-load walk placed past its ring home. Not a
-        #: spill: no replica held its prefix yet, so nothing is lost; exported separately.
-        self.moved_by_load = moved_by_load
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Decision):
-            return NotImplemented
-        return (self.replica, self.reason, self.moved_by_load) == (
-            other.replica,
-            other.reason,
-            other.moved_by_load,
-        )
-
-    def __hash__(self) -> int:
-        return hash((self.replica, self.reason, self.moved_by_load))
-
-    def __repr__(self) -> str:
-        return (
-            f"Decision(replica={self.replica}, reason={self.reason!r}, "
-            f"moved_by_load={self.moved_by_load})"
-        )
-
-
-class CandidateLoads(Sequence[ReplicaView]):
-    """Candidates as a read-only ``replica index -> in-flight`` mapping plus its total.
-
-    A plain ``Sequence[ReplicaView]`` costs O(n) to read (about 20 us at n = 256 on the
-    benchmark machine); the pool can instead keep one live dict per candidate set and its
-    running total, and wrap them here without copying (e.g. in a ``MappingProxyType``).
-    ``PrefixAffinityRouter`` then reads only the loads of the replicas it probes.
-    """
-
-    __slots__ = ("loads", "total")
-
-    def __init__(self, loads: Mapping[int, int], total: int | None = None) -> None:
-        if not loads:
-            raise ValueError("candidates must not be empty")
-        self.loads = loads
-        self.total = sum(loads.values()) if total is None else total
-
-    def __len__(self) -> int:
-        return len(self.loads)
-
-    def __iter__(self) -> Iterator[ReplicaView]:
-        for index, in_flight in self.loads.items():
-            yield ReplicaView(index, in_flight)
-
-    @overload
-    def __getitem__(self, i: int) -> ReplicaView: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[ReplicaView]: ...
-    def __getitem__(self, i: int | slice) -> ReplicaView | Sequence[ReplicaView]:
-        if isinstance(i, slice):
-            return list(self)[i]
-        index = list(self.loads)[i]  # C-speed copy of the keys, no per-replica objects
-        return ReplicaView(index, self.loads[index])
 
 
 class Router(Protocol):
@@ -194,9 +77,18 @@ class Router(Protocol):
         """The learned index's size, for metrics; None for policies that learn nothing."""
         ...
 
+    def set_workers(self, n: int) -> None:
+        """``n`` data-plane workers each run an instance; n > 1: decide alike (``fleet.py``)."""
+        ...
+
+    def set_fleet_loads(self, loads: Mapping[int, int]) -> None:
+        """In flight per replica summed over all workers: one snapshot every ~50 ms."""
+        ...
+
 
 class _Stateless:
-    """What a policy that keeps no per-replica state answers to membership and cache news."""
+    """What a policy that keeps no per-replica state answers to membership, cache and
+    worker news (each worker balances its own requests)."""
 
     def set_members(self, members: Iterable[int]) -> None:
         pass
@@ -206,6 +98,12 @@ class _Stateless:
 
     def stats(self) -> IndexStats | None:
         return None
+
+    def set_workers(self, n: int) -> None:
+        pass
+
+    def set_fleet_loads(self, loads: Mapping[int, int]) -> None:
+        pass
 
 
 class LeastLoadedRouter(_Stateless):
@@ -283,6 +181,11 @@ class PrefixAffinityRouter:
     off the hot path); health and adapter filtering just skip members clockwise.
     Complexity: O(K) hashing + O(K) dict probes + O(n) to read the candidate loads +
     O(log(N V)) ring search.
+
+    With ``set_workers(n > 1)`` (``serve --workers N``: one instance per worker) new keys and
+    verbatim repeats are bounded by the fleet table instead, keyed one block past the
+    template, and the private index steers only continuations: :meth:`_choose_fleet`,
+    ``fleet.py``.
     """
 
     name = "prefix"
@@ -297,6 +200,18 @@ class PrefixAffinityRouter:
             cfg.template_capacity,
         )
         self._ring = HashRing((), cfg.virtual_nodes, cfg.ring_seed)
+        self.workers = 1
+        self.fleet = FleetLoads()
+
+    def set_workers(self, n: int) -> None:
+        """How many workers run an instance each; 1 (the default) is one process's router."""
+        if n < 1:
+            raise ValueError(f"routing: workers must be >= 1, got {n}")
+        self.workers = n
+
+    def set_fleet_loads(self, loads: Mapping[int, int]) -> None:
+        """The fleet-wide snapshot (``fleet.FleetLoads``); read only with n > 1 workers."""
+        self.fleet.update(loads)
 
     @property
     def ring(self) -> HashRing:
@@ -321,6 +236,8 @@ class PrefixAffinityRouter:
         )
 
     def choose(self, request: RouteRequest, candidates: Sequence[ReplicaView]) -> Decision:
+        if self.workers > 1:
+            return self._choose_fleet(request, candidates)
         key = self.features(request)
         if isinstance(candidates, CandidateLoads):
             loads, total = candidates.loads, candidates.total
@@ -350,6 +267,56 @@ class PrefixAffinityRouter:
         choice = self._ring.lookup(ring_key, loads, bound, cfg.max_probes)
         if choice is None:
             return Decision(_least_loaded(loads), Reason.FALLBACK, key)
+        if spilled:
+            reason = Reason.AFFINITY if choice.member == home else Reason.SPILL
+            return Decision(choice.member, reason, key)
+        if request.lacking_adapter:
+            natural = self._ring.preferred(ring_key)
+            if natural is not None and natural in request.lacking_adapter:
+                return Decision(choice.member, Reason.ADAPTER_CONSTRAINT, key, choice.moved)
+        return Decision(choice.member, Reason.RING, key, choice.moved)
+
+    def _choose_fleet(self, request: RouteRequest, candidates: Sequence[ReplicaView]) -> Decision:
+        """``choose`` with N > 1 workers: the same answer on every worker (``fleet.py``).
+
+        One process's steps, with the loads read from the fleet snapshot and the ``fleet_*``
+        bound floor, slack and key depth; except that a prompt this worker has served
+        verbatim before (a GRPO sibling, a repeat in a later epoch) is placed like a new one,
+        so its replica is a function of inputs every worker shares: key, candidates, config,
+        snapshot. Only a prompt that extends an earlier one (a later turn; or any prompt
+        capped at ``max_blocks``, where the two look alike) follows the index, within bound
+        + ``fleet_affinity_slack``. Local loads decide only ``no_key`` and ``fallback``.
+        """
+        key = self.features(request)
+        if isinstance(candidates, CandidateLoads):
+            local: Mapping[int, int] = candidates.loads
+        else:
+            local = {c.index: c.in_flight for c in candidates}
+        if key is None:
+            return Decision(_least_loaded(local), Reason.NO_KEY)
+        cfg = self.config
+        loads, total = self.fleet.over(local)
+        bound = max(
+            math.ceil((1.0 + cfg.load_epsilon) * (total + 1) / len(loads)),
+            cfg.fleet_min_load_bound,
+        )
+        hashes = key.hashes
+        t = self.index.template_depth(hashes)
+        spilled = False
+        # Served verbatim before: decided like a new key (the record only names the reason).
+        home = self.index.exact(key) if len(hashes) < cfg.max_blocks else None
+        verbatim = home is not None
+        if not verbatim:
+            home = self.index.lookup(key, t)
+        if home is not None and home in loads:
+            if not verbatim and loads[home] + 1 <= bound + cfg.fleet_affinity_slack:
+                return Decision(home, Reason.AFFINITY, key)
+            spilled = True
+        depth = min(len(hashes), t + cfg.fleet_key_blocks) if t else len(hashes)
+        ring_key = hashes[depth - 1]
+        choice = self._ring.lookup(ring_key, loads, bound, cfg.max_probes)
+        if choice is None:
+            return Decision(_least_loaded(local), Reason.FALLBACK, key)
         if spilled:
             reason = Reason.AFFINITY if choice.member == home else Reason.SPILL
             return Decision(choice.member, reason, key)

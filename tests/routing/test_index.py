@@ -153,3 +153,20 @@ def test_probe_length_is_the_largest_probe_that_fits_the_tail() -> None:
     for tail_len in range(1, 600):
         fits = [p for p in _PROBE_LENGTHS if p <= tail_len]
         assert _probe_length(tail_len) == max(fits)
+
+
+def test_exact_names_only_the_prompt_itself() -> None:
+    """``exact``: the replica of this very prompt, for every tail length (a 1, 2 or 4 token
+    tail's probe hash is its leaf, so its exact entry is the probe entry), never of a
+    prompt it extends or of one that extends it."""
+    idx = make()
+    for tail in range(0, 9):
+        prompt = [1000 * tail + i for i in range(16 + tail)]  # 2 whole blocks + a tail
+        assert idx.exact(k(prompt)) is None
+        idx.observe(k(prompt), replica=tail)
+        assert idx.exact(k(prompt)) == tail
+        assert idx.exact(k([*prompt, 5, 6, 7])) is None  # a continuation: lookup's job
+        if tail:
+            assert idx.exact(k(prompt[:16])) is None  # its whole blocks: interior nodes
+        idx.observe(k(prompt), replica=9)  # served again elsewhere: the latest wins
+        assert idx.exact(k(prompt)) == 9

@@ -1,0 +1,72 @@
+"""``bench/workers_routing.py``'s fleet variants on a tiny workload (a few seconds).
+
+The unit tests (``test_fleet.py``) pin the mechanism; this pins the measured claim on the
+bench's own model: N workers with ``set_workers(N)`` and one shared 50 ms snapshot keep a
+GRPO group on one replica where the per-worker routers split it, and one worker after
+``set_workers(1)`` is the one-process router exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "workers_routing.py"
+
+
+@pytest.fixture(scope="module")
+def wr() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_workers_routing_fleet", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_workers_routing_fleet"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_one_worker_with_set_workers_is_the_prefix_policy(wr: ModuleType) -> None:
+    groups = wr.sim.Workload("a", 32, seed=5)
+    local = wr.run_one("a", groups, 4, 1, "local", 0, 1.0)
+    for variant in wr.FLEET:
+        fleet = wr.run_one("a", groups, 4, 1, variant, 0, 1.0)
+        for k in ("reasons", "hit_rate", "served_max_over_mean", "colocation"):
+            assert fleet[k] == local[k], (variant, k)
+
+
+@pytest.mark.parametrize(("workers", "groups"), [(2, 64), (8, 256)])
+def test_fleet_snapshot_keeps_groups_whole(wr: ModuleType, workers: int, groups: int) -> None:
+    """Past template warm-up (at 8 workers each worker needs ~48 groups to see a template's
+    32 successors, hence the longer run) >= 95 % of groups on one replica."""
+    work = wr.sim.Workload("a", groups, seed=5)
+    before = wr.run_one("a", work, 4, workers, "local", 1, 1.0)
+    after = wr.run_one("a", work, 4, workers, "fleet-50ms", 1, 1.0)
+    assert after["requests"] == groups * wr.sim.G  # and every count returned to 0 (asserted)
+    assert after["groups_whole_after_warmup"] >= 0.95
+    assert after["groups_whole_after_warmup"] > before["groups_whole_after_warmup"]
+    assert after["replay_requests"] == after["requests"]
+    assert after["inflight_max_over_mean"] <= before["inflight_max_over_mean"] + 0.1
+
+
+def test_tables_models(wr: ModuleType) -> None:
+    """The snapshot models: shared tables are the same object for every worker; a late
+    one lags a period; each worker's own timer differs."""
+    t = wr._Tables("50ms", 4, 2, seed=0)
+    t.live[0] = 5
+    t.tick(0.06)  # the 50 ms boundary: a snapshot of the counts then
+    t.live[0] = 9
+    first = t.for_worker(0)
+    assert first == {0: 5, 1: 0} and all(t.for_worker(w) is first for w in range(4))
+    late = wr._Tables("50ms-late", 4, 2, seed=0)
+    late.live[1] = 3
+    late.tick(0.06)
+    assert late.for_worker(0) == {0: 0, 1: 0}  # still the snapshot taken at 0
+    own = wr._Tables("own-timer", 4, 2, seed=0)
+    own.live[0] = 7
+    own.tick(0.02)  # past worker 1's phase (12.5 ms) only
+    assert own.for_worker(1)[0] == 7 and own.for_worker(3)[0] == 0
+    live = wr._Tables("live", 4, 2, seed=0)
+    assert live.for_worker(0) is live.live
