@@ -73,6 +73,8 @@ class Gateway:
     """Replica -> prefix caches forgotten (a worker's snapshot carries it)."""
     report: Callable[[dict[str, Any]], None] | None = field(default=None, init=False)
     """A data-plane worker: tells the owner what only it saw (an ejection)."""
+    before_route: Callable[[], None] | None = field(default=None, init=False)
+    """A data-plane worker: refreshes the router's fleet-wide loads before a decision."""
     peers: Peers | None = field(default=None, init=False)
     """The owner of data-plane workers: their metrics and status."""
 

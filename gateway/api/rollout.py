@@ -243,6 +243,8 @@ def plan_rollout(
 
     def choose(remaining: Sequence[int]) -> int:
         loads = CandidateLoads(gw.pool.loads(remaining))
+        if gw.before_route is not None:
+            gw.before_route()
         t0 = time.perf_counter()
         decision = gw.router.choose(route_request, loads)
         gw.metrics.record_decision(decision, time.perf_counter() - t0)

@@ -1,5 +1,6 @@
 """Passive fleet state in memory every process of one gateway shares (``--workers N``):
-the outlier breakers and the retry budget.
+the outlier breakers, the retry budget, and each worker's in-flight counts (the
+routers' fleet-wide load, ``gateway.routing.fleet``).
 
 Why shared memory and not the owner's snapshots: both are judged on every routed
 request, not decided by control calls. A breaker's half-open state lets exactly one
@@ -24,7 +25,7 @@ import contextlib
 import mmap
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from gateway.fleet.outliers import Breaker, BreakerState, OutlierDetector
@@ -41,13 +42,16 @@ class SharedState:
     """The cells for ``replicas`` breakers and one retry budget of ``window_s`` buckets;
     create it before forking."""
 
-    def __init__(self, replicas: int, window_s: int = 10) -> None:
+    def __init__(self, replicas: int, window_s: int = 10, workers: int = 0) -> None:
         self.replicas = replicas
         self.window_s = window_s
+        self.workers = workers
         budget = 1 + 2 * window_s  # the newest second, then requests and retries per bucket
-        self._map = mmap.mmap(-1, 8 * (1 + _FIELDS * replicas + budget))
-        self.cells: Any = memoryview(self._map).cast("d")  # float64 cells
         self.budget_at = 1 + _FIELDS * replicas
+        self.loads_at = self.budget_at + budget  # then each worker's in flight per replica
+        self.fleet_at = self.loads_at + workers * replicas  # then a sequence + their sum
+        self._map = mmap.mmap(-1, 8 * (self.fleet_at + 1 + replicas))
+        self.cells: Any = memoryview(self._map).cast("d")  # float64 cells
         self._lock = multiprocessing.get_context("fork").Lock()
 
     @contextlib.contextmanager
@@ -61,6 +65,33 @@ class SharedState:
         finally:
             if got:
                 self._lock.release()
+
+    def publish_loads(self, worker: int, loads: Sequence[int]) -> None:
+        """``worker``'s requests in flight per replica (its row, written by it alone)."""
+        row = self.loads_at + worker * self.replicas
+        for index, count in enumerate(loads[: self.replicas]):
+            self.cells[row + index] = float(count)
+
+    def publish_fleet_loads(self) -> None:
+        """The owner, alone, every period: sum the workers' rows into one table, under a
+        sequence number (odd while writing), so every worker routes by the same one."""
+        at, n, seq = self.loads_at, self.replicas, self.fleet_at
+        self.cells[seq] += 1.0
+        for index in range(n):
+            self.cells[seq + 1 + index] = float(
+                sum(self.cells[at + w * n + index] for w in range(self.workers))
+            )
+        self.cells[seq] += 1.0
+
+    def fleet_loads(self, seen: float) -> tuple[float, dict[int, int] | None]:
+        """``(sequence, table)`` if a table newer than sequence ``seen`` is published
+        whole, else ``(seen, None)``: cheap enough to ask before every decision."""
+        seq = self.fleet_at
+        first = self.cells[seq]
+        if first == seen or int(first) % 2:
+            return seen, None
+        table = {i: int(self.cells[seq + 1 + i]) for i in range(self.replicas)}
+        return (first, table) if self.cells[seq] == first else (seen, None)
 
 
 class _Cell(Generic[_T]):

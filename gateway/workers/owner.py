@@ -100,10 +100,12 @@ class Hub:
             task.cancel()
 
     async def run(self, interval_s: float) -> None:
-        """Publish what changed in the background (health rounds, adapter ticks, expired
-        ejections) every ``interval_s``."""
+        """Every ``interval_s``: the routers' fleet-load table, and what changed in the
+        background (health rounds, adapter ticks)."""
         while True:
             await asyncio.sleep(interval_s)
+            if self.gw.shared is not None:
+                self.gw.shared.publish_fleet_loads()  # the routers' one table, this period
             try:
                 await self.sync()
             except Exception:  # the loop must outlive any one bad round

@@ -46,7 +46,13 @@ from gateway.fleet.shared import SharedState
 from gateway.http.h1server import lean_protocol
 from gateway.http.serving import DrainingServer, listen_socket
 from gateway.workers.owner import Hub, SyncBeforeAnswer
-from gateway.workers.worker import Follower, OwnerProxy, OwnerSession
+from gateway.workers.worker import (
+    FleetLoadsFeed,
+    Follower,
+    OwnerProxy,
+    OwnerSession,
+    share_loads,
+)
 
 __all__ = ["supervise"]
 
@@ -68,7 +74,7 @@ def supervise(settings: Settings, workers: int) -> int:
     port = reserve.getsockname()[1]
     stopping: list[int] = []
     fork = multiprocessing.get_context("fork")
-    shared = SharedState(len(settings.replicas))
+    shared = SharedState(len(settings.replicas), workers=workers)
 
     def start(target: Callable[..., None], *args: object) -> BaseProcess:
         proc = fork.Process(target=_child, args=(os.getpid(), target, *args), daemon=False)
@@ -222,17 +228,23 @@ def _worker_main(
     }
     settings = settings.model_copy(update=limits)
     gw = build_gateway(settings, shared)
+    gw.router.set_workers(workers)  # decide a group's replica alike in every worker
+    gw.before_route = FleetLoadsFeed(gw.router, shared)
     owner = OwnerSession(str(rundir / _OWNER))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         follower = Follower(gw, worker, str(rundir / _CONTROL))
         reader = await follower.connect(timeout=30.0)
-        task = asyncio.create_task(follower.run(reader), name="gateway-follow")
+        tasks = [
+            asyncio.create_task(follower.run(reader), name="gateway-follow"),
+            asyncio.create_task(share_loads(gw, shared, worker, _PUBLISH_S), name="gateway-loads"),
+        ]
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
             await owner.aclose()
             await gw.upstream.aclose()
 

@@ -23,13 +23,15 @@ from yarl import URL
 
 from gateway.api.requests import read_body
 from gateway.errors import GatewayError, UpstreamUnavailable
+from gateway.fleet.shared import SharedState
 from gateway.workers.channel import read_message, write_message
 from gateway.workers.snapshot import ControlSnapshot, RunView, SnapshotRoutes
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
+    from gateway.routing.policy import Router
 
-__all__ = ["Follower", "OwnerProxy", "OwnerSession"]
+__all__ = ["FleetLoadsFeed", "Follower", "OwnerProxy", "OwnerSession", "share_loads"]
 
 log = logging.getLogger("gateway.workers")
 
@@ -138,6 +140,34 @@ class Follower:
             "replicas": {str(r.index): [r.in_flight, r.served] for r in gw.pool.replicas},
             "routing": gw.metrics.routing_counts(),
         }
+
+
+async def share_loads(gw: Gateway, shared: SharedState, worker: int, interval_s: float) -> None:
+    """Every ``interval_s``: publish this worker's in-flight counts per replica (the owner
+    sums every worker's into the table the routers read, ``FleetLoadsFeed``)."""
+    replicas = range(shared.replicas)
+    while True:
+        shared.publish_loads(worker, [gw.pool[i].in_flight for i in replicas])
+        await asyncio.sleep(interval_s)
+
+
+class FleetLoadsFeed:
+    """Before each routing decision: hand the router the owner's newest fleet-load table,
+    the moment it is published. Every worker switches tables at the same instant, so
+    a GRPO group's samples, spread over workers, are placed by the same table."""
+
+    __slots__ = ("_router", "_seen", "_shared")
+
+    def __init__(self, router: Router, shared: SharedState) -> None:
+        self._router = router
+        self._shared = shared
+        self._seen = -1.0
+
+    def __call__(self) -> None:
+        seen, table = self._shared.fleet_loads(self._seen)
+        if table is not None:
+            self._seen = seen
+            self._router.set_fleet_loads(table)
 
 
 class OwnerSession:

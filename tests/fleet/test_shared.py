@@ -471,3 +471,33 @@ def test_breakers_and_budget_do_not_overlap() -> None:
     assert d.open_breakers() == [(1, 10.0)]
     assert spend(budget, 10.5) == 0
     assert spend(budget, 13.0) == 6  # a whole window later
+
+
+# ------------------------------------------------------------- one fleet-load table
+
+
+def test_the_owner_publishes_one_table_that_every_worker_reads_whole() -> None:
+    table = SharedState(replicas=3, workers=2)
+    seen, loads = table.fleet_loads(-1.0)
+    assert loads == {0: 0, 1: 0, 2: 0}  # the initial (empty) table is a table
+    table.publish_loads(0, [1, 2, 3])
+    table.publish_loads(1, [10, 0, 5])
+    assert table.fleet_loads(seen) == (seen, None)  # nothing new until the owner publishes
+
+    def owner() -> None:
+        table.publish_fleet_loads()
+
+    in_child(owner)
+    newer, loads = table.fleet_loads(seen)
+    assert newer > seen and loads == {0: 11, 1: 2, 2: 8}
+    assert in_child(lambda: table.fleet_loads(seen)) == (newer, {0: 11, 1: 2, 2: 8})
+    assert table.fleet_loads(newer) == (newer, None)
+
+
+def test_a_table_being_written_is_not_read() -> None:
+    table = SharedState(replicas=2, workers=1)
+    seen, _ = table.fleet_loads(-1.0)
+    table.cells[table.fleet_at] += 1.0  # the owner is mid-write: odd sequence
+    assert table.fleet_loads(seen) == (seen, None)
+    table.cells[table.fleet_at] += 1.0
+    assert table.fleet_loads(seen)[1] is not None

@@ -372,3 +372,27 @@ def test_capture_multi_run_homes_pause_and_placement(tmp_path: Path) -> None:
     for view in unplaced.runs:
         assert view.homes == frozenset()
         assert view.unplaced is not None and "slots exhausted" in view.unplaced
+
+
+def test_the_feed_hands_the_router_each_new_fleet_table_once() -> None:
+    from gateway.fleet.shared import SharedState
+    from gateway.workers.worker import FleetLoadsFeed
+
+    class Router:
+        def __init__(self) -> None:
+            self.tables: list[dict[int, int]] = []
+
+        def set_fleet_loads(self, loads: dict[int, int]) -> None:
+            self.tables.append(dict(loads))
+
+    shared = SharedState(replicas=2, workers=2)
+    router = Router()
+    feed = FleetLoadsFeed(router, shared)  # type: ignore[arg-type]
+    feed()
+    feed()
+    assert router.tables == [{0: 0, 1: 0}]
+    shared.publish_loads(1, [4, 1])
+    shared.publish_fleet_loads()
+    feed()
+    feed()
+    assert router.tables == [{0: 0, 1: 0}, {0: 4, 1: 1}]
