@@ -43,12 +43,12 @@ __all__ = [
     "free_port_on",
     "free_ports",
     "gateway_argv",
-    "worker_args",
     "http_status",
     "sim_argv",
     "sim_fleet",
     "stop_all",
     "wait_http",
+    "worker_args",
 ]
 
 LOCAL = "127.0.0.1"
