@@ -368,7 +368,36 @@ class Snapshot:
 # ------------------------------------------------------------------- registry
 
 
-class AdapterRegistry:
+class RequestCounts:
+    """Requests in flight per (adapter, replica), counted against ``candidates``: the
+    registry's own, and a data-plane worker's over its snapshot
+    (``gateway.workers.snapshot.SnapshotRoutes``)."""
+
+    __slots__ = ()
+    _inflight: Counter[tuple[str, int]]
+
+    def candidates(self, model: str | None) -> frozenset[int] | None:
+        raise NotImplementedError
+
+    def request_started(self, name: str, replica: int) -> bool:
+        """Count a request; False (and not counted) if ``replica`` may not serve it."""
+        cands = self.candidates(name)
+        if cands is None:
+            return True
+        if replica not in cands:
+            return False
+        self._inflight[(name, replica)] += 1
+        return True
+
+    def request_finished(self, name: str, replica: int) -> None:
+        key = (name, replica)
+        if self._inflight[key] <= 1:
+            self._inflight.pop(key, None)
+        else:
+            self._inflight[key] -= 1
+
+
+class AdapterRegistry(RequestCounts):
     """Desired vs actual adapters per replica, and the transitions between them."""
 
     def __init__(self, policy: AdapterPolicy, replicas: Iterable[int] = ()) -> None:
@@ -481,25 +510,6 @@ class AdapterRegistry:
 
     def in_flight(self, name: str, replica: int) -> int:
         return self._inflight[(name, replica)]
-
-    # ------------------------------------------------------- request refcounts
-
-    def request_started(self, name: str, replica: int) -> bool:
-        """Count a request; False (and not counted) if ``replica`` may not serve it."""
-        cands = self.candidates(name)
-        if cands is None:
-            return True
-        if replica not in cands:
-            return False
-        self._inflight[(name, replica)] += 1
-        return True
-
-    def request_finished(self, name: str, replica: int) -> None:
-        key = (name, replica)
-        if self._inflight[key] <= 1:
-            self._inflight.pop(key, None)
-        else:
-            self._inflight[key] -= 1
 
     # ------------------------------------------------------------- events
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from gateway.adapters.state import RequestCounts
+
 if TYPE_CHECKING:
     from gateway.core import Gateway
 
@@ -126,18 +128,22 @@ def capture(gw: Gateway, epoch: int) -> ControlSnapshot:
     )
 
 
-class SnapshotRoutes:
+class SnapshotRoutes(RequestCounts):
     """A run's adapters as one snapshot says, with ``AdapterManager``'s answers.
 
     ``in_flight`` is the worker's own count per (name, replica); it outlives snapshots
     (a new one gets the same counter), so the owner can ask whether a copy it retires
     still has requests here before it unloads it."""
 
-    __slots__ = ("_view", "in_flight")
+    __slots__ = ("_inflight", "_view")
 
     def __init__(self, view: RunView, in_flight: Counter[tuple[str, int]]) -> None:
         self._view = view
-        self.in_flight = in_flight
+        self._inflight = in_flight
+
+    @property
+    def in_flight(self) -> Counter[tuple[str, int]]:
+        return self._inflight
 
     def candidates(self, model: str | None) -> frozenset[int] | None:
         if model is None:
@@ -150,19 +156,3 @@ class SnapshotRoutes:
 
     def is_live(self, name: str) -> bool:
         return name in self._view.live
-
-    def request_started(self, name: str, replica: int) -> bool:
-        cands = self.candidates(name)
-        if cands is None:
-            return True
-        if replica not in cands:
-            return False
-        self.in_flight[(name, replica)] += 1
-        return True
-
-    def request_finished(self, name: str, replica: int) -> None:
-        key = (name, replica)
-        if self.in_flight[key] <= 1:
-            self.in_flight.pop(key, None)
-        else:
-            self.in_flight[key] -= 1
