@@ -259,22 +259,8 @@ class PrefixAffinityRouter:
             if loads[home] + 1 <= bound + cfg.affinity_slack:
                 return Decision(home, Reason.AFFINITY, key)
             spilled = True
-        # Past a detected template: m blocks after it (stable as a conversation grows).
-        # No template known yet: the whole capped prompt, so an undetected shared prefix
-        # longer than m blocks cannot collapse every new prompt onto one key.
-        depth = min(len(hashes), t + cfg.key_blocks) if t else len(hashes)
-        ring_key = hashes[depth - 1]
-        choice = self._ring.lookup(ring_key, loads, bound, cfg.max_probes)
-        if choice is None:
-            return Decision(_least_loaded(loads), Reason.FALLBACK, key)
-        if spilled:
-            reason = Reason.AFFINITY if choice.member == home else Reason.SPILL
-            return Decision(choice.member, reason, key)
-        if request.lacking_adapter:
-            natural = self._ring.preferred(ring_key)
-            if natural is not None and natural in request.lacking_adapter:
-                return Decision(choice.member, Reason.ADAPTER_CONSTRAINT, key, choice.moved)
-        return Decision(choice.member, Reason.RING, key, choice.moved)
+        return self._ring_walk(request, key, t + cfg.key_blocks if t else 0, loads, bound,
+                               home, spilled, loads)  # fmt: skip
 
     def _choose_fleet(self, request: RouteRequest, candidates: Sequence[ReplicaView]) -> Decision:
         """``choose`` with N > 1 workers: the same answer on every worker (``fleet.py``).
@@ -312,11 +298,24 @@ class PrefixAffinityRouter:
             if not verbatim and loads[home] + 1 <= bound + cfg.fleet_affinity_slack:
                 return Decision(home, Reason.AFFINITY, key)
             spilled = True
-        depth = min(len(hashes), t + cfg.fleet_key_blocks) if t else len(hashes)
-        ring_key = hashes[depth - 1]
-        choice = self._ring.lookup(ring_key, loads, bound, cfg.max_probes)
+        return self._ring_walk(request, key, t + cfg.fleet_key_blocks if t else 0, loads, bound,
+                               home, spilled, local)  # fmt: skip
+
+    def _ring_walk(
+        self, request: RouteRequest, key: PromptKey, depth: int, loads: Mapping[int, int],
+        bound: int, home: int | None, spilled: bool, fallback: Mapping[int, int],
+    ) -> Decision:  # fmt: skip
+        """The bounded-load ring walk from the key ``depth`` blocks deep, and its reason.
+
+        Past a detected template: m blocks after it (stable as a conversation grows). No
+        template known yet (``depth`` 0): the whole capped prompt, so an undetected shared
+        prefix longer than m blocks cannot collapse every new prompt onto one key.
+        ``fallback``: the loads the least-loaded fallback reads when the walk finds none."""
+        hashes = key.hashes
+        ring_key = hashes[min(len(hashes), depth) - 1 if depth else len(hashes) - 1]
+        choice = self._ring.lookup(ring_key, loads, bound, self.config.max_probes)
         if choice is None:
-            return Decision(_least_loaded(local), Reason.FALLBACK, key)
+            return Decision(_least_loaded(fallback), Reason.FALLBACK, key)
         if spilled:
             reason = Reason.AFFINITY if choice.member == home else Reason.SPILL
             return Decision(choice.member, reason, key)
