@@ -86,9 +86,11 @@ async def test_slow_429s_eject_then_half_open_trials_back_off_and_close(tmp_path
         for n, gap in enumerate(gaps[:3]):
             want = EJECTION_S * 2**n
             # Client-side times on a busy 2-core box: a response seen late makes the next gap
-            # look short, a trial sent late makes it long. The exact doubling is proven with
-            # the detector's injected clock (tests/fleet/test_outliers.py); here, its shape.
-            assert 0.5 * want <= gap <= want + max(0.5, want), (n, gaps)
+            # look short, a trial sent late makes it long (CI once saw a first gap of 0.95 s
+            # for 0.3 s, the next two exact: a stall, not the backoff). The exact doubling is
+            # proven with the detector's injected clock (tests/fleet/test_outliers.py); here,
+            # its shape: never early, and not unboundedly late.
+            assert 0.5 * want <= gap <= 2 * want + 1.0, (n, gaps)
         assert gaps[2] > gaps[0], gaps  # the wait grows
         for a, b in itertools.pairwise(trials):
             assert b.sent >= a.done, "two trials were in flight at once"
