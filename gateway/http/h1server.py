@@ -34,9 +34,10 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from gateway.errors import HeadersTooLarge
 from gateway.http.exchange import Handler, LeanExchange
 
-__all__ = ["LeanProtocol", "lean_protocol"]
+__all__ = ["BoundedHttpToolsProtocol", "LeanProtocol", "lean_protocol"]
 
 _ROUTED = (b"POST /v1/completions HTTP/1.1\r\n", b"POST /v1/chat/completions HTTP/1.1\r\n")
 _LONGEST = max(len(p) for p in _ROUTED)
@@ -44,6 +45,7 @@ _HAND_OFF_HEADERS = (b"transfer-encoding", b"expect", b"upgrade")
 _MAX_LEAN_BODY = 4 << 20  # larger bodies go to uvicorn, which streams them to the app
 _MAX_HEAD = 64 << 10  # no end of headers by then: uvicorn (and the app's 431) decide
 _PIPELINE_PAUSE = 256 << 10  # buffered bytes behind a request in flight: stop reading
+_MAX_OPEN_HEAD = 1 << 20  # bytes received while a handed-off head is unfinished: 431
 
 
 def lean_protocol(handler: Handler) -> type[asyncio.Protocol]:
@@ -274,7 +276,7 @@ class LeanProtocol(asyncio.Protocol):
             self.idle_timer.cancel()
             self.idle_timer = None
         self.server_state.connections.discard(self)
-        protocol = HttpToolsProtocol(
+        protocol = BoundedHttpToolsProtocol(
             config=self.config,
             server_state=self.server_state,
             app_state=self.app_state,
@@ -339,6 +341,47 @@ class LeanProtocol(asyncio.Protocol):
             if self.drained is None:
                 self.drained = self.loop.create_future()
             await self.drained
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's protocol, with a bound on a request head that never ends.
+
+    Why: uvicorn bounds nothing before the end of the head, and httptools accumulates an
+    unfinished header value by concatenation; one connection sending an endless header
+    grew the gateway by 320 MB in 40 s and burnt its core doing it. A complete head of any
+    size still goes to the app (whose limit, ``max_header_bytes``, answers 431 with what
+    it counted); past ``_MAX_OPEN_HEAD`` bytes with the head still open, the connection
+    gets the same 431 body here and is closed."""
+
+    head_open = True
+    head_bytes = 0
+
+    def data_received(self, data: bytes) -> None:
+        if self.head_open:
+            self.head_bytes += len(data)
+            if self.head_bytes > _MAX_OPEN_HEAD:
+                if not self.transport.is_closing():
+                    self._refuse_431()
+                return
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self.head_open, self.head_bytes = False, 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self.head_open = True  # the next request's head, if any, starts here
+        super().on_message_complete()
+
+    def _refuse_431(self) -> None:
+        limit = _MAX_OPEN_HEAD >> 10
+        body = HeadersTooLarge(f"Request head exceeds {limit} KiB.", limit="header_bytes").body()
+        defaults = b"".join([n + b": " + v + b"\r\n" for n, v in self.server_state.default_headers])
+        self.transport.write(
+            STATUS_LINE[431] + defaults + b"content-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        self.transport.close()
 
 
 def _addr(value: Any) -> tuple[str, int] | None:

@@ -12,7 +12,6 @@ from typing import Any
 import httptools
 import pytest
 from rollout_testbed.serve import serve_asgi
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.http import h1server
 from gateway.http.exchange import LeanExchange
@@ -80,12 +79,12 @@ def handoffs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts connections handed to uvicorn."""
     count: list[int] = []
 
-    class Counting(HttpToolsProtocol):
+    class Counting(h1server.BoundedHttpToolsProtocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             count.append(1)
             super().connection_made(transport)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(h1server, "HttpToolsProtocol", Counting)
+    monkeypatch.setattr(h1server, "BoundedHttpToolsProtocol", Counting)
     return count
 
 
@@ -193,6 +192,44 @@ async def test_malformed_requests_get_400_and_never_reach_a_replica() -> None:
                 answers = await reader.responses(1)
                 assert answers and answers[0][0] == 400, request
         assert sum(c.sim(0).stats.requests_by_model.values()) == 0
+
+
+async def test_a_head_that_never_ends_gets_431_and_the_connection_closes() -> None:
+    """Past ``_MAX_OPEN_HEAD`` bytes with no end of head, on a connection handed to uvicorn
+    (which bounds nothing there): 431 with the gateway's JSON error, then the connection
+    is closed; nothing reaches a replica and the gateway keeps serving."""
+    async with cluster(1) as c:
+        async with connection(c) as (reader, writer):
+            writer.write(b"GET /health HTTP/1.1\r\nhost: gw\r\nx-big: ")
+            chunk = b"a" * (64 << 10)
+            for _ in range(2 * h1server._MAX_OPEN_HEAD // len(chunk)):  # bounded: 2 MiB
+                if writer.is_closing() or reader.reader.at_eof():
+                    break
+                writer.write(chunk)
+                try:
+                    await writer.drain()
+                except ConnectionError:
+                    break  # closed by the gateway mid-write: the answer is already sent
+            [(status, headers, body)] = await reader.responses(1)
+            assert status == 431
+            assert headers[b"connection"] == b"close"
+            error = json.loads(body)["error"]
+            assert error["type"] == "RequestHeaderFieldsTooLarge"
+            assert "1024 KiB" in error["message"]
+            try:  # closed with the rest unread: EOF, or the kernel's reset after the 431
+                rest = await reader.reader.read()
+            except ConnectionResetError:
+                rest = b""
+            assert rest == b""
+        async with connection(c) as (reader, writer):  # a complete big head: the app's 431
+            writer.write(post(extra=b"x-big: " + b"a" * (70 << 10) + b"\r\n"))
+            [(status, _, body)] = await reader.responses(1)
+            assert status == 431 and "16384 bytes" in json.loads(body)["error"]["message"]
+        async with connection(c) as (reader, writer):
+            writer.write(post())
+            [(status, _, _)] = await reader.responses(1)
+            assert status == 200
+        assert sum(c.sim(0).stats.requests_by_model.values()) == 1
 
 
 async def test_gateway_errors_keep_their_status_and_body() -> None:

@@ -317,13 +317,13 @@ async def outcomes() -> AsyncIterator[dict[str, tuple[Outcome, Outcome, bool]]]:
     """Every case on both fronts (a few at a time): name -> (fast path, uvicorn, handed off)."""
     handed_off: set[int] = set()
 
-    class Counting(HttpToolsProtocol):
+    class Counting(h1server.BoundedHttpToolsProtocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             handed_off.add(transport.get_extra_info("peername")[1])
             super().connection_made(transport)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(h1server, "HttpToolsProtocol", Counting)
+        mp.setattr(h1server, "BoundedHttpToolsProtocol", Counting)
         async with running_sim() as sim:
             settings = load_settings({"replicas": [str(sim)]}, environ={})
             async with (

@@ -1,7 +1,8 @@
 """The private uvicorn names the socket layer relies on, checked loudly.
 
 ``gateway/http/h1server.py`` (the lean rollout protocol) reuses uvicorn's header validators,
-status lines and ``HttpToolsProtocol`` (it hands odd connections over to it), and
+status lines and ``HttpToolsProtocol`` (it hands odd connections over to it, extended to
+bound a head that never ends), and
 ``gateway/cli.py`` clears ``Server._captured_signals`` so SIGTERM exits 0. None of these
 are public API, so ``pyproject.toml`` pins uvicorn to the minor range tested here, and
 this test fails the moment an upgrade changes any of them.
@@ -37,6 +38,7 @@ def test_header_validators_refuse_what_they_refused() -> None:
 def test_status_lines() -> None:
     assert httptools_impl.STATUS_LINE[200] == b"HTTP/1.1 200 OK\r\n"
     assert httptools_impl.STATUS_LINE[400] == b"HTTP/1.1 400 Bad Request\r\n"
+    assert httptools_impl.STATUS_LINE[431] == b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
 
 
 def test_protocol_and_server_state_shapes() -> None:
@@ -47,6 +49,10 @@ def test_protocol_and_server_state_shapes() -> None:
     assert isinstance(state.default_headers, list)
     for method in ("connection_made", "data_received", "connection_lost", "eof_received"):
         assert callable(getattr(httptools_impl.HttpToolsProtocol, method))
+    # h1server.BoundedHttpToolsProtocol extends the parser callbacks that bracket a head.
+    for callback in ("on_headers_complete", "on_message_complete"):
+        params = inspect.signature(getattr(httptools_impl.HttpToolsProtocol, callback)).parameters
+        assert list(params) == ["self"], callback
 
 
 def test_server_captures_signals_in_a_list_cli_can_clear() -> None:
