@@ -121,7 +121,10 @@ bench-cpu: venv
 bench-instructions: venv
 	$(extract_base)
 	$(BIN)/python bench/instructions.py --variant base=$(BASE_TREE) --variant current=$(CURDIR) \
-	    --json bench/results/instructions.json --md bench/results/instructions.md
+	    --json bench/results/instructions.json --md $(BASE_TREE).md
+	{ echo "# Instructions per request: $(BASE) vs this tree (make bench-instructions BASE=$(BASE))"; \
+	  echo; echo "valgrind counts every user-space instruction (method: bench/instructions.py)."; \
+	  echo; cat $(BASE_TREE).md; } > bench/results/instructions.md
 
 # ABLATIONS="NAME=TREE ...": copies of this tree with one piece switched off each
 # (bench/results/instructions.ablations.md lists the ones measured).
