@@ -26,6 +26,7 @@ single-process gateway. ``--placement none`` leaves scheduling to the kernel.
 
     .venv/bin/python bench/overhead.py            # full run, <= ~5 minutes
     .venv/bin/python bench/overhead.py --quick    # CI smoke, <= 30 s
+    .venv/bin/python bench/overhead.py --floor    # + Python's floor (bench/ceiling.py)
 
 Writes ``bench/results/overhead.json`` and ``bench/results/overhead.md`` (``--out-dir``).
 Only processes started here are stopped, by PID.
@@ -300,6 +301,16 @@ def fleet_up(
             pids[name] = proc.popen.pid
             wait_http(fronts[name] + "/health", proc=proc, timeout=30)
 
+        if args.floor:  # Python's floor on this core: bench/ceiling.py's ``_floor`` front
+            floor_port = free_port()
+            argv = [PY, str(HERE / "ceiling.py"), "_floor", "--port", str(floor_port)]
+            for url in up_urls:
+                argv += ["--replica", url]
+            floor = fleet.start("floor", argv, "front")
+            fronts["floor"] = f"http://127.0.0.1:{floor_port}"
+            pids["floor"] = floor.popen.pid
+            wait_http(fronts["floor"] + "/health", proc=floor, timeout=30)
+
         router = None
         started = None if args.no_router else start_vllm_router(fleet, up_urls)
         if started is not None:
@@ -356,6 +367,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="K",
         help="also run the gateway with --workers K as front 'gateway-wK' (repeatable); "
         "pinned like the others (CPU time of its whole process tree is what it costs)",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run front 'floor' (bench/ceiling.py: a bare uvloop + httptools protocol "
+        "forwarding round robin through the gateway's upstream client, no gateway feature): "
+        "what any Python front costs on this core",
     )
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     parser.add_argument("--no-write", action="store_true", help="print only")
