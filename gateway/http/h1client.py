@@ -317,7 +317,10 @@ class H1Pool:
         was closed by the replica's keep-alive timeout as the request went out: the request
         is sent once more on a new connection, instead of failing over to another replica
         and counting a healthy one as dead."""
-        conn, reused = await self._acquire()
+        conn = self._take_idle()  # the common case, without a coroutine for _acquire
+        reused = conn is not None
+        if conn is None:
+            conn, reused = await self._acquire()
         try:
             return await conn.start(head, body)
         except ResetBeforeResponse:
@@ -335,17 +338,25 @@ class H1Pool:
             conn.abandon()
             raise
 
+    def _take_idle(self) -> _Conn | None:
+        """The warmest idle connection still fit for reuse; stale ones are closed."""
+        idle = self._idle
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.lost and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn._abort()
+            self._open.discard(conn)
+        return None
+
     async def _acquire(self, *, fresh: bool = False) -> tuple[_Conn, bool]:
         """A connection, and whether it served before (``fresh``: never an idle one)."""
-        idle = self._idle
         while True:
-            now = time.monotonic()
-            while idle and not fresh:
-                conn = idle.pop()
-                if not conn.lost and now - conn.idle_since < self.keepalive_s:
+            if not fresh:
+                conn = self._take_idle()
+                if conn is not None:
                     return conn, True
-                conn._abort()
-                self._open.discard(conn)
             if len(self._open) < self.max_connections:
                 break
             waiter = asyncio.get_running_loop().create_future()

@@ -109,6 +109,14 @@ class H1Response:
         """The whole body (raises ``ConnectionError`` / ``TimeoutError`` if it broke)."""
         while not self._done:
             await self._wait()
+        return self._take()
+
+    def read_nowait(self) -> bytes | None:
+        """The whole body if all of it has arrived (as ``read``), else None: a sized
+        rollout answer usually arrives with its head, and then needs no coroutine."""
+        return self._take() if self._done else None
+
+    def _take(self) -> bytes:
         if self._error is not None:
             raise self._error
         chunks = self._chunks

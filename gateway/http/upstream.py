@@ -297,7 +297,9 @@ class Upstream:
         if response.content_length is None or response.content_type == "text/event-stream":
             return response, None
         try:
-            content = await response.read()
+            content = response.read_nowait()
+            if content is None:
+                content = await response.read()
         except TimeoutError as exc:
             response.close()
             raise UpstreamTimeout(f"replica {replica} did not answer in time") from exc

@@ -161,6 +161,40 @@ async def test_reused_connection_closed_as_the_request_went_out_is_resent_once()
     assert accepted[0] == 2
 
 
+async def test_read_nowait_has_the_body_only_once_all_of_it_arrived() -> None:
+    """``read_nowait``: the body when it came with the head; None while some is missing
+    (then ``read`` waits for it); the error, once it broke."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nha")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"lf")
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nbro")
+        await writer.drain()
+
+    async with server(handler) as (port, _):
+        pool = pool_for(port)
+        whole = await pool.request(HEAD, b"{}")
+        assert whole.read_nowait() == b"ok"
+        whole.release()
+        half = await pool.request(HEAD, b"{}")
+        assert half.read_nowait() is None
+        assert await half.read() == b"half"
+        half.release()
+        broken = await pool.request(HEAD, b"{}")
+        await asyncio.sleep(0.1)  # the server's close arrives
+        with pytest.raises(BrokenResponse):
+            broken.read_nowait()
+        broken.release()
+        assert not pool._idle
+        pool.close()
+
+
 async def test_close_mid_body_is_a_broken_response() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
