@@ -63,15 +63,18 @@ def assert_fleet_holds_window(layer: Layer, res: RunResult, replicas: list[int])
     assert layer.gateway.live_adapters() == sorted(want)
 
 
-def assert_learned(rewards: Sequence[float], what: str) -> float:
+def assert_learned(
+    rewards: Sequence[float], what: str, *, z: float = 3.0, gain: float = 1.5
+) -> float:
     """The policy learned: the last 10 steps' mean reward is above the first 10 steps' by
-    more than 3 standard errors (Welch) and by at least half again; returns the z."""
+    more than ``z`` standard errors (Welch) and by at least ``gain`` times; returns the z."""
     first, last = rewards[:10], rewards[-10:]
     rise, se = mean(last) - mean(first), math.sqrt(var(first) / 10 + var(last) / 10)
+    score = rise / se if se else math.copysign(math.inf, rise) if rise else 0.0
     print(f"{what}: reward first 10 {mean(first):.4f} -> last 10 {mean(last):.4f} "
-          f"(z {rise / se:.1f})")  # fmt: skip
-    assert rise > 3 * se and mean(last) > 1.5 * mean(first), (what, list(rewards), rise, se)
-    return rise / se
+          f"(z {score:.1f})")  # fmt: skip
+    assert rise > z * se and mean(last) > gain * mean(first), (what, list(rewards), rise, se)
+    return score
 
 
 def report(res: RunResult, **extra: Any) -> dict[str, Any]:
