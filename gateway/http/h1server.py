@@ -296,12 +296,7 @@ class LeanProtocol(asyncio.Protocol):
         headers included), then the connection is closed."""
         assert self.transport is not None
         msg = b"Invalid HTTP request received."
-        defaults = b"".join([n + b": " + v + b"\r\n" for n, v in self.server_state.default_headers])
-        self.transport.write(
-            STATUS_LINE[400] + defaults + b"content-type: text/plain; charset=utf-8\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(msg), msg)
-        )
-        self.transport.close()
+        _answer_and_close(self.transport, self.server_state, 400, b"text/plain; charset=utf-8", msg)
         self.buf.clear()
         self.head_size = 0
 
@@ -376,12 +371,19 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def _refuse_431(self) -> None:
         limit = _MAX_OPEN_HEAD >> 10
         body = HeadersTooLarge(f"Request head exceeds {limit} KiB.", limit="header_bytes").body()
-        defaults = b"".join([n + b": " + v + b"\r\n" for n, v in self.server_state.default_headers])
-        self.transport.write(
-            STATUS_LINE[431] + defaults + b"content-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
-        )
-        self.transport.close()
+        _answer_and_close(self.transport, self.server_state, 431, b"application/json", body)
+
+
+def _answer_and_close(
+    transport: asyncio.WriteTransport, state: ServerState, status: int, ctype: bytes, body: bytes
+) -> None:
+    """A refusal as uvicorn writes its own (its default headers included), then close."""
+    defaults = b"".join([n + b": " + v + b"\r\n" for n, v in state.default_headers])
+    transport.write(
+        STATUS_LINE[status] + defaults + b"content-type: " + ctype + b"\r\ncontent-length: "
+        b"%d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+    )
+    transport.close()
 
 
 def _addr(value: Any) -> tuple[str, int] | None:
