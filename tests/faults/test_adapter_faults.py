@@ -156,8 +156,14 @@ async def test_load_timeout_on_one_replica_is_lost_not_failed(f: Fleet) -> None:
         await watcher.stop()
     assert r.status_code == 200, r.text
     assert BROADCAST_TIMEOUT_S <= took < late, took  # at the timeout, not at the wake-up
-    before = {status for sent, _, status in watcher.sent if sent < t0 + BROADCAST_TIMEOUT_S}
-    assert before <= {404}, watcher.sent  # not live anywhere until the slow one was lost
+    # Not live anywhere until the slow one was lost: every completion *answered* before the
+    # timeout had elapsed was a 404. (By when it was sent, a request sent just before the
+    # timeout but read by the gateway just after it is a 200, rightly: CI saw one.)
+    early = [(round(sent - t0, 3), round(done - t0, 3), status)
+             for sent, done, status in watcher.sent
+             if done < t0 + BROADCAST_TIMEOUT_S and status != 404]  # fmt: skip
+    assert not early, early
+    assert any(done < t0 + BROADCAST_TIMEOUT_S for _, done, _ in watcher.sent)
     assert 1 not in await f.routable("slow-v1")
     ejections = metric(await f.metrics(), "gateway_replica_ejections_total", replica="1")
     assert ejections >= 1
