@@ -1,4 +1,5 @@
-"""``bench/workers_routing.py``'s fleet variants on a tiny workload (a few seconds).
+"""``bench/workers_routing.py`` on a tiny workload (a few seconds): its worker pool and
+shared-index variants, then its fleet variants.
 
 The unit tests (``test_fleet.py``) pin the mechanism; this pins the measured claim on the
 bench's own model: N workers with ``set_workers(N)`` and one shared 50 ms snapshot keep a
@@ -26,6 +27,26 @@ def wr() -> ModuleType:
     sys.modules["bench_workers_routing_fleet"] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_one_worker_is_the_prefix_policy(wr: ModuleType) -> None:
+    sim = wr.sim
+    groups = sim.Workload("a", 24, seed=5)
+    base = sim.simulate(sim.make_policy("prefix", 2), groups, 2, 8)
+    row = wr.run_one("a", groups, 2, 1, "local", 0, 1.0)
+    assert row["reasons"] == dict(base.reasons)
+    assert row["hit_rate"] == sim.summarize(base, 1.0)["hit_rate"]
+
+
+@pytest.mark.parametrize("variant", ["local", "shared-templates", "shared"])
+def test_pool_accounts_and_shared_index_agrees(wr: ModuleType, variant: str) -> None:
+    groups = wr.sim.Workload("a", 24, seed=5)
+    row = wr.run_one("a", groups, 2, 2, variant, 1, 1.0)  # asserts every count returns to 0
+    assert row["requests"] == 24 * wr.sim.G
+    if variant == "shared":
+        assert row["colocation"] >= 0.99
+    else:
+        assert row["replay_requests"] == (row["requests"] if variant == "local" else 0)
 
 
 def test_one_worker_with_set_workers_is_the_prefix_policy(wr: ModuleType) -> None:
