@@ -247,10 +247,7 @@ class PrefixAffinityRouter:
         if key is None:
             return Decision(_least_loaded(loads), Reason.NO_KEY)
         cfg = self.config
-        bound = max(
-            math.ceil((1.0 + cfg.load_epsilon) * (total + 1) / len(loads)),
-            cfg.min_load_bound,
-        )
+        bound = _load_bound(cfg.load_epsilon, total, len(loads), cfg.min_load_bound)
         hashes = key.hashes
         t = self.index.template_depth(hashes)
         spilled = False
@@ -282,10 +279,7 @@ class PrefixAffinityRouter:
             return Decision(_least_loaded(local), Reason.NO_KEY)
         cfg = self.config
         loads, total = self.fleet.over(local)
-        bound = max(
-            math.ceil((1.0 + cfg.load_epsilon) * (total + 1) / len(loads)),
-            cfg.fleet_min_load_bound,
-        )
+        bound = _load_bound(cfg.load_epsilon, total, len(loads), cfg.fleet_min_load_bound)
         hashes = key.hashes
         t = self.index.template_depth(hashes)
         spilled = False
@@ -339,6 +333,12 @@ class PrefixAffinityRouter:
 
     def stats(self) -> IndexStats:
         return self.index.stats()
+
+
+def _load_bound(epsilon: float, total: int, members: int, floor: int) -> int:
+    """The bounded-load cap: (1 + epsilon) x the mean load with this request, at least
+    ``floor``."""
+    return max(math.ceil((1.0 + epsilon) * (total + 1) / members), floor)
 
 
 def _least_loaded(loads: Mapping[int, int]) -> int:
