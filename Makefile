@@ -27,7 +27,7 @@ help:
 	@echo "                     (bench/results/ceiling/)"
 	@echo "make bench-cpu       - gateway CPU per request, BASE=<commit> vs this tree (cpu_per_request.*)"
 	@echo "make bench-instructions - valgrind instructions per request, BASE vs this tree (instructions.*)"
-	@echo "make bench-instructions-ablations ABLATIONS=\"NAME=TREE ...\" - instructions.ablations.*"
+	@echo "make bench-instructions-ablations - instructions.ablations.* (bench/ablate.py)"
 	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
 	@echo "make bench-train     - LoRA GRPO on CPU, gateway vs direct (train.*, train-*.{jsonl,png})"
 	@echo "make bench-adapters  - adapter load to live on 2 real vLLM replicas (adapters.*)"
@@ -126,14 +126,19 @@ bench-instructions: venv
 	  echo; echo "valgrind counts every user-space instruction (method: bench/instructions.py)."; \
 	  echo; cat $(BASE_TREE).md; } > bench/results/instructions.md
 
-# ABLATIONS="NAME=TREE ...": copies of this tree with one piece switched off each
-# (bench/results/instructions.ablations.md lists the ones measured).
+# Copies of this tree with one feature switched off each (bench/ablate.py), against it.
+ABL_TREES := $(CURDIR)/.run/ablations
 bench-instructions-ablations: venv
-	@test -n "$(ABLATIONS)" || { echo 'set ABLATIONS="NAME=TREE ..."'; exit 2; }
+	rm -rf $(ABL_TREES) && mkdir -p $(ABL_TREES)
+	$(BIN)/python bench/ablate.py $(ABL_TREES) > $(ABL_TREES)/variants
 	$(BIN)/python bench/instructions.py --variant current=$(CURDIR) \
-	    $(foreach a,$(ABLATIONS),--variant $(a)) --lat-requests 0 \
-	    --json bench/results/instructions.ablations.json \
-	    --md bench/results/instructions.ablations.md
+	    $$(sed 's/^/--variant /' $(ABL_TREES)/variants) --lat-requests 0 \
+	    --json bench/results/instructions.ablations.json --md $(ABL_TREES)/table.md
+	{ echo "# Where the instructions per rollout go (make bench-instructions-ablations)"; \
+	  echo; echo "At \`$$(git rev-parse --short HEAD)\`: this tree against copies of it with one feature switched off"; \
+	  echo "each (\`bench/ablate.py\`; valgrind counts, method: \`bench/instructions.py\`):"; \
+	  echo; $(BIN)/python bench/ablate.py --legend; echo; cat $(ABL_TREES)/table.md; } \
+	  > bench/results/instructions.ablations.md
 
 bench-train: venv vllm
 	$(BIN)/python bench/train.py

@@ -45,7 +45,10 @@ def count(tree: Path, upstream: str, requests: int, mode: str) -> int:
     cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"]
     cmd += [PY, "-m", "gateway", "serve", "--replica", upstream, "--port", str(port)]
     cmd += ["--log-level", "warning"]
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}
+    # No bytecode written: a fresh tree would otherwise compile in its first (idle) life
+    # only, and the compile cost would be subtracted from the loaded life's count.
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0",
+           "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="instructions-") as tmp:
         # valgrind's summary and the gateway's output, both into the log file.
