@@ -46,6 +46,10 @@ _MAX_LEAN_BODY = 4 << 20  # larger bodies go to uvicorn, which streams them to t
 _MAX_HEAD = 64 << 10  # no end of headers by then: uvicorn (and the app's 431) decide
 _PIPELINE_PAUSE = 256 << 10  # buffered bytes behind a request in flight: stop reading
 _MAX_OPEN_HEAD = 1 << 20  # bytes received while a handed-off head is unfinished: 431
+# After that 431: keep reading (and dropping) what the client still sends, for at most this
+# long and this much, so its kernel is not sent a reset that can destroy the answer.
+_LINGER_S = 2.0
+_LINGER_BYTES = 4 << 20
 
 
 def lean_protocol(handler: Handler) -> type[asyncio.Protocol]:
@@ -296,7 +300,8 @@ class LeanProtocol(asyncio.Protocol):
         headers included), then the connection is closed."""
         assert self.transport is not None
         msg = b"Invalid HTTP request received."
-        _answer_and_close(self.transport, self.server_state, 400, b"text/plain; charset=utf-8", msg)
+        self.transport.write(_refusal(self.server_state, 400, b"text/plain; charset=utf-8", msg))
+        self.transport.close()  # as uvicorn does after its 400
         self.buf.clear()
         self.head_size = 0
 
@@ -346,19 +351,40 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     grew the gateway by 320 MB in 40 s and burnt its core doing it. A complete head of any
     size still goes to the app (whose limit, ``max_header_bytes``, answers 431 with what
     it counted); past ``_MAX_OPEN_HEAD`` bytes with the head still open, the connection
-    gets the same 431 body here and is closed."""
+    gets the same 431 body here and is closed.
+
+    The close lingers (as nginx's ``lingering_close``): a client still sending its head
+    would otherwise be answered by a reset, which over a real network can destroy the 431
+    before it is read. The gateway's side is shut down for writing at once, and what the
+    client still sends is dropped, until it closes or ``_LINGER_S`` / ``_LINGER_BYTES``."""
 
     head_open = True
     head_bytes = 0
+    lingering: asyncio.TimerHandle | None = None
 
     def data_received(self, data: bytes) -> None:
         if self.head_open:
             self.head_bytes += len(data)
+            if self.lingering is not None:  # dropped; bounded in bytes as in time
+                if self.head_bytes > _MAX_OPEN_HEAD + _LINGER_BYTES:
+                    self._stop_lingering()
+                return
             if self.head_bytes > _MAX_OPEN_HEAD:
                 if not self.transport.is_closing():
                     self._refuse_431()
                 return
         super().data_received(data)
+
+    def eof_received(self) -> None:
+        if self.lingering is not None:  # the client is done sending: close now
+            self._stop_lingering()
+            return
+        super().eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.lingering is not None:
+            self._stop_lingering()  # its timer; closing a lost transport does nothing
+        super().connection_lost(exc)
 
     def on_headers_complete(self) -> None:
         self.head_open, self.head_bytes = False, 0
@@ -371,19 +397,28 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def _refuse_431(self) -> None:
         limit = _MAX_OPEN_HEAD >> 10
         body = HeadersTooLarge(f"Request head exceeds {limit} KiB.", limit="header_bytes").body()
-        _answer_and_close(self.transport, self.server_state, 431, b"application/json", body)
+        transport = self.transport
+        transport.write(_refusal(self.server_state, 431, b"application/json", body))
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self.lingering = self.loop.call_later(_LINGER_S, self._stop_lingering)
+
+    def _stop_lingering(self) -> None:
+        if self.lingering is not None:
+            self.lingering.cancel()
+            self.lingering = None
+        self.transport.close()
 
 
-def _answer_and_close(
-    transport: asyncio.WriteTransport, state: ServerState, status: int, ctype: bytes, body: bytes
-) -> None:
-    """A refusal as uvicorn writes its own (its default headers included), then close."""
+def _refusal(state: ServerState, status: int, ctype: bytes, body: bytes) -> bytes:
+    """A refusal as uvicorn writes its own (its default headers included), closing."""
     defaults = b"".join([n + b": " + v + b"\r\n" for n, v in state.default_headers])
-    transport.write(
+    return (
         STATUS_LINE[status] + defaults + b"content-type: " + ctype + b"\r\ncontent-length: "
         b"%d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
     )
-    transport.close()
 
 
 def _addr(value: Any) -> tuple[str, int] | None:

@@ -216,11 +216,12 @@ async def test_a_head_that_never_ends_gets_431_and_the_connection_closes() -> No
             error = json.loads(body)["error"]
             assert error["type"] == "RequestHeaderFieldsTooLarge"
             assert "1024 KiB" in error["message"]
-            try:  # closed with the rest unread: EOF, or the kernel's reset after the 431
-                rest = await reader.reader.read()
-            except ConnectionResetError:
-                rest = b""
-            assert rest == b""
+            # A lingering close: what the client still sends is read and dropped, so its
+            # end of stream is met by an orderly close, never a reset.
+            writer.write(chunk)
+            await writer.drain()
+            writer.write_eof()
+            assert await reader.reader.read() == b""  # no ConnectionResetError
         async with connection(c) as (reader, writer):  # a complete big head: the app's 431
             writer.write(post(extra=b"x-big: " + b"a" * (70 << 10) + b"\r\n"))
             [(status, _, body)] = await reader.responses(1)
@@ -230,6 +231,52 @@ async def test_a_head_that_never_ends_gets_431_and_the_connection_closes() -> No
             [(status, _, _)] = await reader.responses(1)
             assert status == 200
         assert sum(c.sim(0).stats.requests_by_model.values()) == 1
+
+
+async def _refused_head(reader: Reader, writer: asyncio.StreamWriter) -> None:
+    """Send a head that never ends until the 431 (bounded: 2 MiB) and read that 431."""
+    writer.write(b"GET /health HTTP/1.1\r\nhost: gw\r\nx-big: ")
+    chunk = b"a" * (64 << 10)
+    for _ in range(2 * h1server._MAX_OPEN_HEAD // len(chunk)):
+        writer.write(chunk)
+        await writer.drain()
+    [(status, _, _)] = await reader.responses(1)
+    assert status == 431
+
+
+async def _refused_by_the_kernel(writer: asyncio.StreamWriter, rounds: int) -> bool:
+    """Whether writing (``rounds`` x 64 KiB at most) fails: the gateway has closed."""
+    chunk = b"a" * (64 << 10)
+    for _ in range(rounds):
+        try:
+            writer.write(chunk)
+            await writer.drain()
+        except ConnectionError:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def test_the_lingering_close_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After its 431 the gateway half-closes at once and still reads (and drops) what the
+    client sends; ``_LINGER_S`` later it closes, and the client's bytes are refused."""
+    monkeypatch.setattr(h1server, "_LINGER_S", 0.5)
+    async with cluster(1) as c, connection(c) as (reader, writer):
+        await _refused_head(reader, writer)
+        assert await reader.reader.read() == b""  # the gateway's half-close
+        assert not await _refused_by_the_kernel(writer, 4)  # lingering: read and dropped
+        await asyncio.sleep(1.0)
+        assert await _refused_by_the_kernel(writer, 50)
+
+
+async def test_the_lingering_close_is_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that keeps sending after its 431 is cut off after ``_LINGER_BYTES`` more."""
+    monkeypatch.setattr(h1server, "_LINGER_S", 30.0)
+    monkeypatch.setattr(h1server, "_LINGER_BYTES", 256 << 10)
+    async with cluster(1) as c, connection(c) as (reader, writer):
+        await _refused_head(reader, writer)
+        async with asyncio.timeout(10):
+            assert await _refused_by_the_kernel(writer, 256)  # 16 MiB at most
 
 
 async def test_gateway_errors_keep_their_status_and_body() -> None:

@@ -49,10 +49,17 @@ def test_protocol_and_server_state_shapes() -> None:
     assert isinstance(state.default_headers, list)
     for method in ("connection_made", "data_received", "connection_lost", "eof_received"):
         assert callable(getattr(httptools_impl.HttpToolsProtocol, method))
-    # h1server.BoundedHttpToolsProtocol extends the parser callbacks that bracket a head.
-    for callback in ("on_headers_complete", "on_message_complete"):
+    # h1server.BoundedHttpToolsProtocol extends the parser callbacks that bracket a head,
+    # and the end of the stream (its lingering close); it uses the protocol's loop.
+    for callback, expected in (
+        ("on_headers_complete", ["self"]),
+        ("on_message_complete", ["self"]),
+        ("eof_received", ["self"]),
+        ("connection_lost", ["self", "exc"]),
+    ):
         params = inspect.signature(getattr(httptools_impl.HttpToolsProtocol, callback)).parameters
-        assert list(params) == ["self"], callback
+        assert list(params) == expected, callback
+    assert "self.loop = " in inspect.getsource(httptools_impl.HttpToolsProtocol.__init__)
 
 
 def test_server_captures_signals_in_a_list_cli_can_clear() -> None:
