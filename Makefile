@@ -123,7 +123,8 @@ bench-instructions: venv
 	$(BIN)/python bench/instructions.py --variant base=$(BASE_TREE) --variant current=$(CURDIR) \
 	    --json bench/results/instructions.json --md $(BASE_TREE).md
 	{ echo "# Instructions per request: $(BASE) vs this tree (make bench-instructions BASE=$(BASE))"; \
-	  echo; echo "valgrind counts every user-space instruction (method: bench/instructions.py)."; \
+	  echo; echo "This tree at \`$$(git rev-parse --short HEAD)\`. valgrind counts every user-space instruction"; \
+	  echo "(method: \`bench/instructions.py\`)."; \
 	  echo; cat $(BASE_TREE).md; } > bench/results/instructions.md
 
 # Copies of this tree with one feature switched off each (bench/ablate.py), against it.
