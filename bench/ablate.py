@@ -3,15 +3,15 @@
 
 Why: CPU per request is flat over ~60 functions in profiles, so "what would the gateway
 have to give up to be as cheap as X" is answered by switching whole features off and
-counting instructions (valgrind: the same count to ~0.01 % run to run). Each ablation
-makes named functions return a stub at once; nothing else changes, and the stubs are
-ones the request path survives (an admission that always admits, a router that takes the
-first candidate). The trees are throwaway and never served to anyone.
+counting instructions (valgrind: ~1 % run to run at worst, where CPU time moves 10-20 %).
+Each ablation makes named functions return a stub at once; nothing else changes, and the
+stubs are ones the request path survives (an admission that always admits, a router that
+takes the first candidate). The trees are throwaway and never served to anyone.
 
     python bench/ablate.py OUT_DIR       # writes OUT_DIR/NAME/gateway, prints NAME=TREE
 
-``make bench-instructions-ablations`` builds them in a temporary directory and measures
-them against this tree (``bench/results/instructions.ablations.{json,md}``).
+``make bench-instructions-ablations`` builds them in ``.run/ablations`` and measures them
+against this tree (``bench/results/instructions.ablations.{json,md}``).
 """
 
 from __future__ import annotations
