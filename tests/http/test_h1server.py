@@ -13,7 +13,7 @@ import httptools
 import pytest
 from rollout_testbed.serve import serve_asgi
 
-from gateway.http import h1server
+from gateway.http import h1server, handoff
 from gateway.http.exchange import LeanExchange
 from gateway.http.h1server import lean_protocol
 from tests.cluster import Cluster, cluster
@@ -202,7 +202,7 @@ async def test_a_head_that_never_ends_gets_431_and_the_connection_closes() -> No
         async with connection(c) as (reader, writer):
             writer.write(b"GET /health HTTP/1.1\r\nhost: gw\r\nx-big: ")
             chunk = b"a" * (64 << 10)
-            for _ in range(2 * h1server._MAX_OPEN_HEAD // len(chunk)):  # bounded: 2 MiB
+            for _ in range(2 * handoff._MAX_OPEN_HEAD // len(chunk)):  # bounded: 2 MiB
                 if writer.is_closing() or reader.reader.at_eof():
                     break
                 writer.write(chunk)
@@ -237,7 +237,7 @@ async def _refused_head(reader: Reader, writer: asyncio.StreamWriter) -> None:
     """Send a head that never ends until the 431 (bounded: 2 MiB) and read that 431."""
     writer.write(b"GET /health HTTP/1.1\r\nhost: gw\r\nx-big: ")
     chunk = b"a" * (64 << 10)
-    for _ in range(2 * h1server._MAX_OPEN_HEAD // len(chunk)):
+    for _ in range(2 * handoff._MAX_OPEN_HEAD // len(chunk)):
         writer.write(chunk)
         await writer.drain()
     [(status, _, _)] = await reader.responses(1)
@@ -260,7 +260,7 @@ async def _refused_by_the_kernel(writer: asyncio.StreamWriter, rounds: int) -> b
 async def test_the_lingering_close_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """After its 431 the gateway half-closes at once and still reads (and drops) what the
     client sends; ``_LINGER_S`` later it closes, and the client's bytes are refused."""
-    monkeypatch.setattr(h1server, "_LINGER_S", 0.5)
+    monkeypatch.setattr(handoff, "_LINGER_S", 0.5)
     async with cluster(1) as c, connection(c) as (reader, writer):
         await _refused_head(reader, writer)
         assert await reader.reader.read() == b""  # the gateway's half-close
@@ -271,8 +271,8 @@ async def test_the_lingering_close_is_bounded_in_time(monkeypatch: pytest.Monkey
 
 async def test_the_lingering_close_is_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that keeps sending after its 431 is cut off after ``_LINGER_BYTES`` more."""
-    monkeypatch.setattr(h1server, "_LINGER_S", 30.0)
-    monkeypatch.setattr(h1server, "_LINGER_BYTES", 256 << 10)
+    monkeypatch.setattr(handoff, "_LINGER_S", 30.0)
+    monkeypatch.setattr(handoff, "_LINGER_BYTES", 256 << 10)
     async with cluster(1) as c, connection(c) as (reader, writer):
         await _refused_head(reader, writer)
         async with asyncio.timeout(10):

@@ -1,8 +1,8 @@
 """The private uvicorn names the socket layer relies on, checked loudly.
 
-``gateway/http/h1server.py`` (the lean rollout protocol) reuses uvicorn's header validators,
-status lines and ``HttpToolsProtocol`` (it hands odd connections over to it, extended to
-bound a head that never ends), and
+``gateway/http/h1server.py`` (the lean rollout protocol) and ``gateway/http/handoff.py``
+reuse uvicorn's header validators, status lines and ``HttpToolsProtocol`` (odd connections
+are handed over to it, extended to bound a head that never ends), and
 ``gateway/cli.py`` clears ``Server._captured_signals`` so SIGTERM exits 0. None of these
 are public API, so ``pyproject.toml`` pins uvicorn to the minor range tested here, and
 this test fails the moment an upgrade changes any of them.
@@ -49,7 +49,7 @@ def test_protocol_and_server_state_shapes() -> None:
     assert isinstance(state.default_headers, list)
     for method in ("connection_made", "data_received", "connection_lost", "eof_received"):
         assert callable(getattr(httptools_impl.HttpToolsProtocol, method))
-    # h1server.BoundedHttpToolsProtocol extends the parser callbacks that bracket a head,
+    # handoff.BoundedHttpToolsProtocol extends the parser callbacks that bracket a head,
     # and the end of the stream (its lingering close); it uses the protocol's loop.
     for callback, expected in (
         ("on_headers_complete", ["self"]),
