@@ -4,7 +4,6 @@ here, not as a silently unablated tree in a benchmark), and a stubbed tree still
 from __future__ import annotations
 
 import ast
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,17 +11,12 @@ from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "ablate.py"
+from tests.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def ablate() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_ablate", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_ablate"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("ablate")
 
 
 SAMPLE = '''

@@ -194,31 +194,35 @@ async def test_malformed_requests_get_400_and_never_reach_a_replica() -> None:
         assert sum(c.sim(0).stats.requests_by_model.values()) == 0
 
 
+_CHUNK = b"a" * (64 << 10)
+
+
+async def _refused_head(reader: Reader, writer: asyncio.StreamWriter) -> Answer:
+    """Send a head that never ends (2 MiB at most: the lingering close reads all of it)
+    and return the answer, which must be the 431."""
+    writer.write(b"GET /health HTTP/1.1\r\nhost: gw\r\nx-big: ")
+    for _ in range(2 * handoff._MAX_OPEN_HEAD // len(_CHUNK)):
+        writer.write(_CHUNK)
+        await writer.drain()
+    [answer] = await reader.responses(1)
+    assert answer[0] == 431
+    return answer
+
+
 async def test_a_head_that_never_ends_gets_431_and_the_connection_closes() -> None:
     """Past ``_MAX_OPEN_HEAD`` bytes with no end of head, on a connection handed to uvicorn
     (which bounds nothing there): 431 with the gateway's JSON error, then the connection
     is closed; nothing reaches a replica and the gateway keeps serving."""
     async with cluster(1) as c:
         async with connection(c) as (reader, writer):
-            writer.write(b"GET /health HTTP/1.1\r\nhost: gw\r\nx-big: ")
-            chunk = b"a" * (64 << 10)
-            for _ in range(2 * handoff._MAX_OPEN_HEAD // len(chunk)):  # bounded: 2 MiB
-                if writer.is_closing() or reader.reader.at_eof():
-                    break
-                writer.write(chunk)
-                try:
-                    await writer.drain()
-                except ConnectionError:
-                    break  # closed by the gateway mid-write: the answer is already sent
-            [(status, headers, body)] = await reader.responses(1)
-            assert status == 431
+            _, headers, body = await _refused_head(reader, writer)
             assert headers[b"connection"] == b"close"
             error = json.loads(body)["error"]
             assert error["type"] == "RequestHeaderFieldsTooLarge"
             assert "1024 KiB" in error["message"]
             # A lingering close: what the client still sends is read and dropped, so its
             # end of stream is met by an orderly close, never a reset.
-            writer.write(chunk)
+            writer.write(_CHUNK)
             await writer.drain()
             writer.write_eof()
             assert await reader.reader.read() == b""  # no ConnectionResetError
@@ -233,23 +237,11 @@ async def test_a_head_that_never_ends_gets_431_and_the_connection_closes() -> No
         assert sum(c.sim(0).stats.requests_by_model.values()) == 1
 
 
-async def _refused_head(reader: Reader, writer: asyncio.StreamWriter) -> None:
-    """Send a head that never ends until the 431 (bounded: 2 MiB) and read that 431."""
-    writer.write(b"GET /health HTTP/1.1\r\nhost: gw\r\nx-big: ")
-    chunk = b"a" * (64 << 10)
-    for _ in range(2 * handoff._MAX_OPEN_HEAD // len(chunk)):
-        writer.write(chunk)
-        await writer.drain()
-    [(status, _, _)] = await reader.responses(1)
-    assert status == 431
-
-
 async def _refused_by_the_kernel(writer: asyncio.StreamWriter, rounds: int) -> bool:
     """Whether writing (``rounds`` x 64 KiB at most) fails: the gateway has closed."""
-    chunk = b"a" * (64 << 10)
     for _ in range(rounds):
         try:
-            writer.write(chunk)
+            writer.write(_CHUNK)
             await writer.drain()
         except ConnectionError:
             return True

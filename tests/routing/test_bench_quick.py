@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "routing.py"
+from tests.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def quick() -> dict[str, Any]:
-    spec = importlib.util.spec_from_file_location("bench_routing", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_routing"] = mod
-    spec.loader.exec_module(mod)
-    data: dict[str, Any] = mod.run(quick=True)
+    data: dict[str, Any] = load_bench("routing").run(quick=True)
     return data
 
 

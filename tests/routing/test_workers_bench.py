@@ -9,24 +9,16 @@ GRPO group on one replica where the per-worker routers split it, and one worker 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "workers_routing.py"
+from tests.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def wr() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_workers_routing_fleet", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_workers_routing_fleet"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("workers_routing")
 
 
 def test_one_worker_is_the_prefix_policy(wr: ModuleType) -> None:
