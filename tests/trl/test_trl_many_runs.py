@@ -18,11 +18,10 @@ puts the earlier leftovers back on the replicas (the fault tests rely on them) a
 the layer's gateway again.
 
 Every check reads the replicas themselves: a background thread samples each replica's own
-``/v1/models`` and ``/is_paused`` every 0.5 s during the runs. 40 steps per run: the syncs
-of three runs interleave (41 loads each), and each run must learn by the happy path's rule
-(last 10 steps' mean reward above the first 10's by > 3 standard errors and 1.5x; one
-trial on a quiet 2-core machine: 0.010 -> 0.031, 0.010 -> 0.023, 0.012 -> 0.025, the three
-runs together in 195 s).
+``/v1/models`` and ``/is_paused`` every 0.5 s during the runs. 60 steps per run: the syncs
+of three runs interleave (61 loads each), each run must learn (last 10 steps' mean reward
+above the first 10's by > 2 standard errors and 1.25x) and the three together must clear
+the happy path's rule (> 3 standard errors and 1.5x).
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ from tests.trl.many_runs import (
 )
 
 ORDER = 1.5  # after the happy path (its adapters are the leftovers), before the faults
-STEPS = 40
+STEPS = 60
 SLOTS = 6  # lora_slots_per_replica: two runs of 3 slots per replica
 RUNS = ("alpha", "bravo", "charlie")
 PLANTED = ("trl-policy-v999", f"zulu{SEP}trl-policy-v1")  # leftovers no run here owns
@@ -172,9 +171,11 @@ def test_three_trl_runs_share_one_fleet(shared: Shared) -> None:
         rewards = [float(x["reward"]) for x in out["logs"] if "reward" in x]
         assert len(rewards) == STEPS and all(math.isfinite(x) and 0 <= x <= 1 for x in rewards)
         # Each run learns, sharing the fleet. Three runs each passing the happy path's
-        # 3-sigma rule is too strict a conjunction for 40 steps (CI saw one at z 2.9, 1.37x,
-        # the other two at 4x and 8x): each run clears 2 sigma and 1.25x, and the three
-        # together, step by step, clear the happy path's rule.
+        # 3-sigma rule is too strict a conjunction: a run on the tiny model sometimes takes
+        # off late. At 40 steps CI saw one at z 2.9, 1.37x and one at z 1.5, 1.23x (its
+        # last 10 steps still rising) while the other runs gained 2-8x, so the runs get 60
+        # steps; each clears 2 sigma and 1.25x, and the three together, step by step, clear
+        # the happy path's rule.
         assert_learned(rewards, r.name, z=2.0, gain=1.25)
         per_step.append(rewards)
     assert_learned([mean(step) for step in zip(*per_step, strict=True)], "all three runs")
