@@ -148,9 +148,5 @@ class OutlierDetector:
         if b is not None and b.state is not BreakerState.CLOSED:
             self._open -= 1
 
-    def open_breakers(self) -> list[tuple[int, float]]:
-        """``(replica, reopen_at)`` of every OPEN breaker."""
-        return [(i, b.reopen_at) for i, b in self._breakers.items() if b.state is BreakerState.OPEN]
-
     def states(self) -> dict[int, BreakerState]:
         return {i: b.state for i, b in self._breakers.items()}

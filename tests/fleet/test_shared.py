@@ -33,6 +33,11 @@ JOIN_S = 10.0
 T = TypeVar("T")
 
 
+def open_breakers(d: OutlierDetector) -> list[tuple[int, float]]:
+    """``(replica, reopen_at)`` of every OPEN breaker, read through the public API."""
+    return [(i, d.breaker(i).reopen_at) for i, s in d.states().items() if s is BreakerState.OPEN]
+
+
 def _run(fn: Callable[[], object], out: Connection) -> None:
     try:
         out.send(("ok", fn()))
@@ -91,7 +96,7 @@ def test_an_ejection_in_one_process_holds_in_another() -> None:
 
     def child() -> tuple[list[int], BreakerState, list[tuple[int, float]]]:
         worker = detector(table)  # a worker builds its own detector after the fork
-        return (worker.routable(ALL, 5.0), worker.breaker(0).state, worker.open_breakers())
+        return (worker.routable(ALL, 5.0), worker.breaker(0).state, open_breakers(worker))
 
     routable, state, opened = in_child(child)
     assert routable == [1, 2]
@@ -151,7 +156,7 @@ def test_one_trial_fleet_wide_and_a_good_answer_closes_it_for_all() -> None:
     assert parent.breaker(0).state is BreakerState.CLOSED
     assert not parent.breaker(0).trial_in_flight and parent.breaker(0).ejections == 0
     assert parent.routable(ALL, 10.6) == ALL
-    assert parent.open_breakers() == []
+    assert open_breakers(parent) == []
     assert in_child(lambda: detector(table).routable(ALL, 10.6)) == ALL
 
 
@@ -167,7 +172,7 @@ def test_a_failed_trial_reopens_longer_for_all() -> None:
         return worker.dispatched(0), worker.record(0, 503, 10.2, 3)  # its answer: 503
 
     assert in_child(child) == (False, OutlierEvent.EJECTED)
-    assert parent.open_breakers() == [(0, 30.2)]  # 10.2 + 2 x 10 s
+    assert open_breakers(parent) == [(0, 30.2)]  # 10.2 + 2 x 10 s
     assert parent.routable(ALL, 30.1) == [1, 2]
     assert parent.routable(ALL, 30.2) == ALL
 
@@ -244,7 +249,7 @@ def test_a_restarted_worker_does_not_reset_the_open_count() -> None:
 
     def restarted() -> tuple[list[tuple[int, float]], list[Any]]:
         fresh = detector(table)  # created long after the ejection
-        return fresh.open_breakers(), fail(fresh, 1, 3, 1.0)
+        return open_breakers(fresh), fail(fresh, 1, 3, 1.0)
 
     opened, events = in_child(restarted)
     assert opened == [(0, 10.0)]
@@ -267,7 +272,7 @@ def test_every_process_forgetting_a_replica_counts_it_once() -> None:
     fail(parent, 0, 3, 0.0)
     in_children(lambda: detector(table).forget(0), lambda: detector(table).forget(0))
     parent.forget(0)
-    assert parent.states()[0] is BreakerState.CLOSED and parent.open_breakers() == []
+    assert parent.states()[0] is BreakerState.CLOSED and open_breakers(parent) == []
     assert fail(parent, 1, 3, 1.0)[-1] is OutlierEvent.EJECTED
     assert fail(parent, 2, 3, 1.0) == [None, None, None]  # still capped at one
 
@@ -418,7 +423,7 @@ def test_shared_detector_decides_like_the_in_process_one(
         else:
             shared.forget(op[1])
             plain.forget(op[1])
-        assert sorted(shared.open_breakers()) == sorted(plain.open_breakers())
+        assert sorted(open_breakers(shared)) == sorted(open_breakers(plain))
         assert _breaker_view(shared, n) == _breaker_view(plain, n), op
 
 
@@ -430,7 +435,7 @@ def test_in_process_detector_dispatched_still_always_true() -> None:
     assert d.dispatched(0) is True
     assert d.dispatched(0) is True  # a second one in the same process is not refused
     assert d.dispatched(2) is True
-    assert d.open_breakers() == []  # half-open is not open
+    assert open_breakers(d) == []  # half-open is not open
     assert d.states() == {0: BreakerState.HALF_OPEN}
 
 
@@ -466,9 +471,9 @@ def test_breakers_and_budget_do_not_overlap() -> None:
     budget = SharedRetryBudget(table, ratio=0.0, min_per_s=2.0)  # 6 per window
     assert spend(budget, 10.0) == 6
     assert [d.breaker(i).state for i in (0, 1)] == [BreakerState.CLOSED] * 2
-    assert d.open_breakers() == []
+    assert open_breakers(d) == []
     fail(d, 1, 3, 0.0, members=2)
-    assert d.open_breakers() == [(1, 10.0)]
+    assert open_breakers(d) == [(1, 10.0)]
     assert spend(budget, 10.5) == 0
     assert spend(budget, 13.0) == 6  # a whole window later
 
