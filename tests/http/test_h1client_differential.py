@@ -45,8 +45,12 @@ CLOSE, RESET = Close(), Reset()
 Step = bytes | float | Close | Reset  # bytes: one write; float: a pause (s)
 Result = tuple[Any, ...]  # ("ok", status, raw headers, body) or (mapped error name,)
 
-READ_TIMEOUT_S = 1.0  # both clients: no byte for this long is a timeout
-BOUND_S = 4.0  # any one request, headers and body: longer is a hang
+# Both clients: no byte for this long is a timeout. The scripted server shares the clients'
+# loop, so a loop stall longer than this between one of a script's pauses (0.1 s at most)
+# and its next write reads as a timeout: CI once stalled ~1 s and turned three of them into
+# UpstreamTimeout at 1.0 s. 3 s leaves a 30x margin and costs the timeout cases ~4 s.
+READ_TIMEOUT_S = 3.0
+BOUND_S = 8.0  # any one request, headers and body: longer is a hang
 
 
 def ok(status: int, body: bytes, *headers: tuple[bytes, bytes]) -> Result:
