@@ -13,6 +13,9 @@ from typing import Any
 from tests.trl.harness import MAX_STALENESS, Layer, RunResult, replica_adapters, wait_for
 
 LORA_NAME = "trl-policy"
+# Every learning check's line, pass or fail: the layer prints them in pytest's terminal
+# summary (conftest.py), so a passing run's margin is on record too (``-q`` drops prints).
+LEARNING: list[str] = []
 
 
 def lora_dir(res: RunResult) -> str:
@@ -71,8 +74,11 @@ def assert_learned(
     first, last = rewards[:10], rewards[-10:]
     rise, se = mean(last) - mean(first), math.sqrt(var(first) / 10 + var(last) / 10)
     score = rise / se if se else math.copysign(math.inf, rise) if rise else 0.0
-    print(f"{what}: reward first 10 {mean(first):.4f} -> last 10 {mean(last):.4f} "
-          f"(z {score:.1f})")  # fmt: skip
+    line = (f"{what}: reward first 10 {mean(first):.4f} -> last 10 {mean(last):.4f} "
+            f"({mean(last) / mean(first) if mean(first) else math.inf:.2f}x, z {score:.1f}; "
+            f"needs z > {z:g} and {gain:g}x)")  # fmt: skip
+    LEARNING.append(line)
+    print(line)
     assert rise > z * se and mean(last) > gain * mean(first), (what, list(rewards), rise, se)
     return score
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.trl.checks import LEARNING
 from tests.trl.harness import Layer, LayerError, start_layer
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -59,6 +60,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # Development only: reuse 2 replicas started with the layer's flags (a state file written by
 # ``rollout_testbed.local.replicas.start_replicas``); they are not stopped at the end.
 REUSE_ENV = "TRL_LAYER_REUSE_STATE"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Each learning check's margin, passing ones included: how close a run came to the
+    rule is what tells a slow-learning run from a broken one, CI run after CI run."""
+    if LEARNING:
+        terminalreporter.section("learning (first 10 steps' mean reward -> last 10)")
+        for line in LEARNING:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
