@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from statistics import median
 
 import httpx
 
@@ -41,7 +42,7 @@ async def test_sigstopped_replica_is_ejected_and_its_requests_retried(tmp_path: 
         gateway_args=["--health-timeout-s", str(HEALTH_TIMEOUT_S)],
     ) as f:  # fmt: skip
         load = Load(f, workers=12, seed=3)
-        slowest_scrape = 0.0
+        scrapes: list[float] = []  # how long each /gateway/status took while hung
         try:
             await wait_until(lambda: _ready(f, load), 10, "requests waiting on the victim")
             served_before = [r["served"] for r in (await f.status())["replicas"]]
@@ -49,10 +50,9 @@ async def test_sigstopped_replica_is_ejected_and_its_requests_retried(tmp_path: 
             f.sims[VICTIM].freeze()
 
             async def ejected() -> bool:
-                nonlocal slowest_scrape
                 t0 = time.monotonic()
                 healthy = await f.healthy(VICTIM)
-                slowest_scrape = max(slowest_scrape, time.monotonic() - t0)
+                scrapes.append(time.monotonic() - t0)
                 return not healthy
 
             ejected_after = await wait_until(ejected, 10, "the hung replica ejected", 0.01)
@@ -70,17 +70,23 @@ async def test_sigstopped_replica_is_ejected_and_its_requests_retried(tmp_path: 
         bound = UNHEALTHY_THRESHOLD * (HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S)
         metrics = await f.metrics()
         aborted = metric(metrics, "gateway_ejection_aborted_requests_total")
+        slow = [d for d in scrapes if d > 0.5]
         print(
             f"hang: {len(outcomes)} requests, ejected {ejected_after * 1000:.0f} ms after "
             f"SIGSTOP (bound {bound * 1000:.0f} ms), {aborted:.0f} requests aborted at "
-            f"ejection, slowest gateway answer while hung {slowest_scrape * 1000:.0f} ms"
+            f"ejection, gateway answers while hung: median {median(scrapes) * 1000:.0f} ms, "
+            f"{len(slow)} of {len(scrapes)} over 0.5 s"
         )
-        assert ejected_after <= bound + 0.5, ejected_after
+        # 1.5 s of slack for a stalled loop; a probe that ignored --health-timeout-s (2 s by
+        # default) would take 2 x (0.2 + 2.0) = 4.4 s at least.
+        assert ejected_after <= bound + 1.5, ejected_after
         assert metric(metrics, "gateway_replica_ejections_total",
                       replica=str(VICTIM), cause="probe") >= 1  # fmt: skip
         assert aborted >= 2, "the requests waiting on the victim were not aborted"
-        # No gateway worker stuck: its own endpoints answered promptly during the hang.
-        assert slowest_scrape < 0.5, slowest_scrape
+        # No gateway worker stuck: its own endpoints answered promptly during the hang. A
+        # stuck worker slows every scrape; a stalled loop (the client's or the gateway's),
+        # only the one in flight: the scrapes go one at a time.
+        assert median(scrapes) < 0.1 and len(slow) <= 1, sorted(scrapes)[-3:]
         # None lost: every buffered request answered 200 (retried), no client timeout.
         assert [o.error for o in outcomes if o.error] == []
         assert {o.status for o in outcomes} == {200}
@@ -99,7 +105,7 @@ async def test_sigstopped_replica_is_ejected_and_its_requests_retried(tmp_path: 
 async def test_rollouts_hung_behind_a_healthy_health_check_time_out(tmp_path: Path) -> None:
     """``/health`` answers but rollouts never do (``completion_hang``): only the read
     timeout can end them, with a 504 -- never a request held forever."""
-    read_timeout = 1.0
+    read_timeout = 2.0
     async with fleet(tmp_path, 1, settings={"read_timeout_s": read_timeout}) as f:
         await f.faults(0, completion_hang=-1)
         body = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 4}
@@ -108,7 +114,8 @@ async def test_rollouts_hung_behind_a_healthy_health_check_time_out(tmp_path: Pa
         took = time.monotonic() - t0
         assert r.status_code == 504, r.text
         assert r.json()["error"]["message"] == "replica 0 did not answer in time"
-        assert read_timeout <= took < read_timeout + 1.0, took
+        # Never sooner, and never retried: a second wait would take 2 x read_timeout.
+        assert read_timeout <= took < 2 * read_timeout, took
         stream = await f.client.post("/v1/completions", json={**body, "stream": True})
         assert stream.status_code == 504, stream.text
         await wait_until(lambda: _in_flight_zero(f), 2, "in-flight back to zero")

@@ -60,10 +60,13 @@ async def test_sigkill_under_load_loses_nothing_and_reconciles(tmp_path: Path) -
             f"ejected after {ejected_after * 1000:.0f} ms, re-admitted (reconciled) "
             f"{readmitted_after * 1000:.0f} ms after restart"
         )
-        # Ejection: passive (a refused connection) or by probe, within one interval.
-        assert ejected_after <= HEALTH_INTERVAL_S, f"ejected after {ejected_after:.3f}s"
+        # Ejection on the spot: passive, by the first refused connection under load, not
+        # after probes (two failed probes take one interval at least). The bound is one
+        # interval plus 1 s for a stalled client loop, which polls the status to see it.
+        assert ejected_after <= HEALTH_INTERVAL_S + 1.0, f"ejected after {ejected_after:.3f}s"
         metrics = await f.metrics()
-        assert metric(metrics, "gateway_replica_ejections_total", replica=str(VICTIM)) >= 1
+        ejections = "gateway_replica_ejections_total"
+        assert metric(metrics, ejections, replica=str(VICTIM), cause="passive") >= 1
         assert readmitted_after <= 2 * HEALTH_INTERVAL_S + 1.0, readmitted_after
 
         # Nothing lost: every request answered 200; no client-side timeouts or resets.

@@ -150,9 +150,9 @@ async def test_ejection_ends_streams_in_flight_with_an_sse_error() -> None:
 
 
 async def test_timeouts_count_as_outlier_errors() -> None:
-    # 1 s, not less: the healthy replica's answers share this loop, and a stall of the
+    # 2 s, not less: the healthy replica's answers share this loop, and a stall of the
     # loop as long as the read timeout would time one of them out too
-    settings = {"router": "least_loaded", "read_timeout_s": 1.0,
+    settings = {"router": "least_loaded", "read_timeout_s": 2.0,
                 "outlier_consecutive_errors": 2}  # fmt: skip
     async with cluster(2, **settings) as c, httpx.AsyncClient(base_url=c.url) as client:
         c.sim(0).faults.completion_hang = -1  # /health still passes

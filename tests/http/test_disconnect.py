@@ -46,7 +46,10 @@ async def test_stream_disconnect_cancels_upstream(path: str) -> None:
 async def test_buffered_disconnect_cancels_upstream(path: str) -> None:
     body = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 200}
     async with cluster(1, sim_config=SLOW) as c:
-        async with httpx.AsyncClient(base_url=c.url, timeout=0.5) as client:
+        # 0.5 s to read (the generation takes 10 s); connecting and sending may take longer
+        async with httpx.AsyncClient(
+            base_url=c.url, timeout=httpx.Timeout(5.0, read=0.5)
+        ) as client:
             try:
                 await client.post(path, json=body)
             except httpx.ReadTimeout:

@@ -268,17 +268,18 @@ async def test_idle_connection_closed_by_server_is_not_reused() -> None:
 
 
 async def test_cancelled_request_closes_its_connection() -> None:
-    got_eof = asyncio.Event()
+    got_request, got_eof = asyncio.Event(), asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
+        got_request.set()
         await reader.read()  # returns at EOF: the client closed
         got_eof.set()
 
     async with server(handler) as (port, _):
         pool = pool_for(port)
         task = asyncio.create_task(pool.request(HEAD, b"{}"))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(got_request.wait(), 5)  # cancelled waiting for the answer
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

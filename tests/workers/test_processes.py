@@ -77,6 +77,13 @@ async def _load(client: httpx.AsyncClient, name: str, path: str) -> httpx.Respon
     return await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
 
 
+async def _running(f: SimFleet, n: int) -> bool:
+    """Whether ``n`` requests are generating: read by the gateway, so SIGTERM drains them."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        stats = [(await client.get(f"{sim.url}/sim/stats")).json() for sim in f.sims]
+    return sum(int(s["running"]) for s in stats) >= n
+
+
 async def _exited(f: SimFleet) -> bool:
     return not f.gateway.alive
 
@@ -203,7 +210,7 @@ async def test_sigterm_drains_every_worker_and_exits_0(tmp_path: Path) -> None:
         conns = [await Conn.open(f.url) for _ in range(8)]
         body = httpx.Request("POST", "/", json={**COMPLETION, "max_tokens": 40}).content  # ~0.8 s
         sent = [asyncio.ensure_future(c.post("/v1/completions", body)) for c in conns]
-        await asyncio.sleep(0.3)
+        await _until(lambda: _running(f, 8), 10, "all 8 generating on the replicas")
         f.gateway.signal(signal.SIGTERM)
         answers = await asyncio.gather(*sent)
         assert [s for s, _, _ in answers] == [200] * 8  # finished, not cut
