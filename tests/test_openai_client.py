@@ -49,7 +49,7 @@ async def test_openai_client_end_to_end() -> None:
             total = time.perf_counter() - started
             assert first is not None and len(deltas) >= 10
             # 20 tokens x 40 ms upstream: the first chunk is relayed long before the end.
-            assert first < total / 2, (first, total)
+            assert total - first > 0.4, (first, total)  # not a ratio: a stall delays both
 
             with pytest.raises(openai.NotFoundError):
                 await client.completions.create(model="no-such-model", prompt="x", max_tokens=1)

@@ -53,7 +53,7 @@ async def rig(
     for r in replicas:
         await r.start()
     settings = load_settings(
-        {"replicas": [r.url for r in replicas], "connect_timeout_s": 0.5}, environ={}
+        {"replicas": [r.url for r in replicas], "connect_timeout_s": 5.0}, environ={}
     )
     upstream = Upstream(ReplicaPool.from_settings(settings), lambda: make_session(settings))
     manager = AdapterManager(

@@ -59,7 +59,8 @@ async def test_streaming_is_relayed_chunk_by_chunk() -> None:
         assert len(lines) >= 20
         # 20 tokens x 50 ms: the first chunk must arrive long before the upstream finishes.
         assert total > 0.8
-        assert arrivals[0] < total / 2
+        assert total - arrivals[0] > 0.5  # buffered, all would come at the end (a stall
+        # before the first chunk delays the end as much: a ratio would not survive it)
         assert c.gateway.pool[0].in_flight == 0
 
 

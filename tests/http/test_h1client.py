@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from gateway.http import h1client
 from gateway.http.h1client import H1Pool
 from gateway.http.h1response import BrokenResponse, ConnectFailed, ResetBeforeResponse
 
@@ -138,9 +139,14 @@ async def test_new_connection_closed_before_any_byte_is_a_reset_not_resent() -> 
     assert accepted[0] == 1
 
 
-async def test_reused_connection_closed_as_the_request_went_out_is_resent_once() -> None:
+async def test_reused_connection_closed_as_the_request_went_out_is_resent_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The keep-alive race: the replica drops an idle connection just as the next request
     is written on it. That request is sent again on a new connection, not failed over."""
+    # What is "at once" is tested by ..._dying_later_is_a_reset_not_resent; here, a loop
+    # stalled for 1 s between the send and the close must not turn the race into a reset.
+    monkeypatch.setattr(h1client, "_RACE_S", 30.0)
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
