@@ -43,6 +43,7 @@ import httpx
 
 from gateway.app import create_app
 from gateway.config import load_settings
+from rollout_testbed.local.vllm_env import checkout_root
 from rollout_testbed.procs import Proc, free_port, free_ports, gateway_argv
 from rollout_testbed.serve import serve_asgi
 from rollout_testbed.sim.app import create_sim_app
@@ -145,7 +146,9 @@ async def run_sim(replicas: int, steps: int, prompts_per_step: int, max_stalenes
 # Real mode: 2 vLLM replicas + gateway + the companion driver
 # ---------------------------------------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
+# The driver (``python -m trainer``, run with the vLLM venv's python) comes from the checkout;
+# so do the tiny model and the outputs, under .run/.
+REPO = checkout_root() or Path.cwd()
 
 
 def _prefix_cache_rate(url: str) -> float | None:
@@ -243,6 +246,13 @@ def run_real(*, replicas: int, steps: int, duration_s: float, max_staleness: int
     from rollout_testbed.local.vllm_env import VllmNotInstalledError, check_vllm_python
 
     t0 = time.monotonic()
+    if not (REPO / "trainer" / "__main__.py").is_file():
+        print(
+            f"demo: the real demo runs the driver from a checkout of the repository; "
+            f"{REPO} has no trainer/ (run `make demo` from the checkout)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         python = check_vllm_python(None)
     except VllmNotInstalledError as exc:
@@ -279,7 +289,10 @@ def run_real(*, replicas: int, steps: int, duration_s: float, max_staleness: int
             rate = _prefix_cache_rate(u)
             shown = f"{rate:.3f}" if rate is not None else "n/a"
             print(f"replica {i}: live adapters {_live_adapters(u)}, prefix-cache hit rate {shown}")
-        summary = json.loads((train_dir / "summary.json").read_text()) if rc in (0, 1) else {}
+        written = train_dir / "summary.json"
+        summary = json.loads(written.read_text()) if rc in (0, 1) and written.is_file() else {}
+        if not summary:
+            print(f"demo: the driver exited with {rc} and no summary; see its output above")
         if summary and not summary.get("plot_file"):
             summary["plot_file"] = ensure_plot(train_dir / "metrics.jsonl",
                                                train_dir / "curves.png", max_staleness)  # fmt: skip

@@ -17,7 +17,10 @@ from rollout_testbed.local import tiny_model
 from rollout_testbed.local.vllm_env import (
     VllmNotInstalledError,
     check_vllm_python,
+    checkout_root,
+    default_vllm_python,
     find_vllm_python,
+    package_root,
 )
 from rollout_testbed.procs import free_ports
 
@@ -220,6 +223,21 @@ def test_missing_vllm_python_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert find_vllm_python(None) == tmp_path / "nope" / "python"
     with pytest.raises(VllmNotInstalledError, match="make vllm"):
         check_vllm_python(None)
+
+
+def test_roots_in_a_checkout() -> None:
+    """The package's root (on a sim's PYTHONPATH) is testbed/; the checkout (the driver, the
+    vLLM venv) is the repository. The demo once took testbed/ for the repository, and its
+    driver failed with "No module named trainer"."""
+    assert package_root() == REPO / "testbed"
+    assert (package_root() / "rollout_testbed" / "__init__.py").is_file()
+    assert checkout_root() == REPO
+    assert default_vllm_python() == REPO / ".venv-vllm" / "bin" / "python"
+
+
+def test_sim_replica_env_imports_the_testbed(tmp_path: Path) -> None:
+    env = R._replica_env("sim", "abcd1234", core=0, tmpdir=tmp_path, cache_dir=tmp_path)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO / "testbed")
 
 
 def test_tiny_model_without_torch_exits_2(tmp_path: Path) -> None:

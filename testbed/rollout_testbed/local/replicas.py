@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_testbed.local.vllm_env import VllmNotInstalledError, check_vllm_python, repo_root
+from rollout_testbed.local.vllm_env import VllmNotInstalledError, check_vllm_python, package_root
 
 STATE_VERSION = 1
 DEFAULT_STATE_FILE = ".run/replicas.json"
@@ -341,7 +341,7 @@ def _replica_env(
         }
     )
     if kind == "sim":
-        root = str(repo_root())
+        root = str(package_root())
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if "PYTHONPATH" in env else "")
         return env
     env.pop("PYTHONPATH", None)

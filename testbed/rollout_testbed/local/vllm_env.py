@@ -14,17 +14,25 @@ class VllmNotInstalledError(RuntimeError):
     """vLLM cannot be imported with the chosen python."""
 
 
-def repo_root() -> Path:
-    """The directory that holds the ``gateway`` package (the repository in a checkout)."""
+def package_root() -> Path:
+    """The directory that holds the ``rollout_testbed`` package (``testbed/`` in a checkout):
+    what a child python needs on PYTHONPATH to import it."""
     return Path(__file__).resolve().parents[2]
 
 
+def checkout_root() -> Path | None:
+    """The repository, when this runs from a checkout: it holds ``gateway``, ``trainer`` (the
+    demo's driver) and ``.venv-vllm``. None for an installed ``rollout-testbed``."""
+    root = package_root().parent
+    return root if (root / "gateway").is_dir() and (root / "trainer").is_dir() else None
+
+
 def default_vllm_python() -> Path:
-    return repo_root() / ".venv-vllm" / "bin" / "python"
+    return (checkout_root() or Path.cwd()) / ".venv-vllm" / "bin" / "python"
 
 
 def find_vllm_python(explicit: str | os.PathLike[str] | None) -> Path | None:
-    """--vllm-python, else $GATEWAY_VLLM_PYTHON, else <repo>/.venv-vllm, else ./.venv-vllm."""
+    """--vllm-python, else $GATEWAY_VLLM_PYTHON, else <checkout>/.venv-vllm, else ./.venv-vllm."""
     if explicit:
         return Path(explicit)
     env = os.environ.get(VLLM_PYTHON_ENV)
