@@ -15,24 +15,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from rollout_testbed.local.vllm_env import VllmNotInstalledError, check_vllm_python
+
+from tests.local.vllm import vllm_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def test_make_demo_trains_through_the_gateway(tmp_path: Path) -> None:
-    explicit = os.environ.get("GATEWAY_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
-    try:
-        vllm_python = str(check_vllm_python(explicit))
-    except VllmNotInstalledError as exc:
-        pytest.fail(f"the e2e layer cannot start:\n{exc}")
     out = tmp_path / "demo"
     res = subprocess.run(
         [sys.executable, "-m", "rollout_testbed.demo", "--out", str(out)],
         cwd=tmp_path,
-        env=dict(os.environ, GATEWAY_VLLM_PYTHON=vllm_python),
+        env=dict(os.environ, GATEWAY_VLLM_PYTHON=vllm_python()),
         capture_output=True,
         text=True,
         timeout=840,

@@ -19,20 +19,13 @@ from pathlib import Path
 import pytest
 from rollout_testbed.local import replicas as R
 from rollout_testbed.local.tiny_model import tree_digest
-from rollout_testbed.local.vllm_env import VllmNotInstalledError, check_vllm_python
+
+from tests.local.vllm import vllm_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "testbed" / "rollout_testbed" / "local" / "tiny_model.py"
-
-
-def _vllm_python() -> str:
-    explicit = os.environ.get("GATEWAY_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
-    try:
-        return str(check_vllm_python(explicit))
-    except VllmNotInstalledError as exc:
-        pytest.fail(f"the e2e layer cannot start:\n{exc}")
 
 
 def _build(python: str, out: Path, *extra: str) -> None:
@@ -55,7 +48,7 @@ def _snapshot_tmp() -> set[str]:
 
 
 def test_tiny_model_is_deterministic(tmp_path: Path) -> None:
-    py = _vllm_python()
+    py = vllm_python()
     _build(py, tmp_path / "a", "--adapters", "2", "--seed", "7")
     _build(py, tmp_path / "b", "--adapters", "2", "--seed", "7")
     _build(py, tmp_path / "c", "--adapters", "2", "--seed", "8")
@@ -87,7 +80,7 @@ def test_tiny_model_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_tiny_model_loads_in_transformers_and_peft(tmp_path: Path) -> None:
-    py = _vllm_python()
+    py = vllm_python()
     _build(py, tmp_path / "m", "--adapters", "1", "--targets", "all-linear", "--rank", "4")
     probe = r"""
 import sys, torch
@@ -133,7 +126,7 @@ def tmp_before() -> set[str]:
 def replica_set(
     tmp_path_factory: pytest.TempPathFactory, tmp_before: set[str]
 ) -> Iterator[R.ReplicaSet]:
-    py = _vllm_python()
+    py = vllm_python()
     root = tmp_path_factory.mktemp("vllm")
     model = root / "model"
     _build(py, model, "--adapters", "3")
