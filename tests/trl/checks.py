@@ -10,7 +10,7 @@ from statistics import mean
 from statistics import variance as var
 from typing import Any
 
-from tests.trl.harness import MAX_STALENESS, Layer, RunResult, replica_adapters, wait_for
+from rollout_testbed.trl.harness import MAX_STALENESS, Layer, RunResult, replica_adapters, wait_for
 
 LORA_NAME = "trl-policy"
 # Every learning check's line, pass or fail: the layer prints them in pytest's terminal

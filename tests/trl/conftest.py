@@ -16,9 +16,9 @@ import warnings
 from collections.abc import Iterator
 
 import pytest
+from rollout_testbed.trl.harness import Layer, LayerError, start_layer
 
 from tests.trl.checks import LEARNING
-from tests.trl.harness import Layer, LayerError, start_layer
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 collect_ignore_glob = [] if HAVE_TORCH else ["test_*.py"]

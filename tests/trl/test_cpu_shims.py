@@ -24,9 +24,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
-from tests.trl import cpu_shims
-from tests.trl.harness import CHATML_RESPONSE_TEMPLATE, build_model_dir
+from rollout_testbed.trl import cpu_shims
+from rollout_testbed.trl.harness import CHATML_RESPONSE_TEMPLATE, build_model_dir
 
 ORDER = 0
 pytestmark = pytest.mark.timeout(300)

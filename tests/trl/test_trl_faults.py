@@ -34,15 +34,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.trl.checks import (
-    LORA_NAME,
-    assert_completed,
-    assert_fleet_holds_window,
-    assert_loads,
-    report,
-)
-from tests.trl.harness import (
+from rollout_testbed.trl.harness import (
     Layer,
     RunResult,
     health,
@@ -52,6 +44,14 @@ from tests.trl.harness import (
     run_trl,
     vllm_counters,
     wait_for,
+)
+
+from tests.trl.checks import (
+    LORA_NAME,
+    assert_completed,
+    assert_fleet_holds_window,
+    assert_loads,
+    report,
 )
 
 ORDER = 2

@@ -8,6 +8,7 @@ process; every check reads the replicas themselves (``/v1/models``, ``/metrics``
 from __future__ import annotations
 
 import pytest
+from rollout_testbed.trl.harness import Layer, run_trl
 
 from tests.trl.checks import (
     assert_completed,
@@ -16,7 +17,6 @@ from tests.trl.checks import (
     assert_loads,
     report,
 )
-from tests.trl.harness import Layer, run_trl
 
 ORDER = 1
 STEPS = 50

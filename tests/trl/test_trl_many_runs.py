@@ -34,9 +34,7 @@ from dataclasses import dataclass
 from statistics import mean
 
 import pytest
-
-from tests.trl.checks import LORA_NAME, assert_learned
-from tests.trl.harness import (
+from rollout_testbed.trl.harness import (
     TRL_DIR,
     Layer,
     LayerError,
@@ -45,7 +43,7 @@ from tests.trl.harness import (
     replica_adapters,
     wait_for,
 )
-from tests.trl.many_runs import (
+from rollout_testbed.trl.many_runs import (
     SEP,
     FleetSampler,
     MultiRunGateway,
@@ -59,6 +57,8 @@ from tests.trl.many_runs import (
     run_table,
     wait_runs,
 )
+
+from tests.trl.checks import LORA_NAME, assert_learned
 
 ORDER = 1.5  # after the happy path (its adapters are the leftovers), before the faults
 STEPS = 60

@@ -34,15 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from rollout_testbed.procs import Proc, free_port
-
-from tests.trl import harness as H
+from rollout_testbed.trl import harness as H
 
 SEP = "~"  # replica-side adapter name: <run>~<client-side name>
 ROLLOUT_LOG_ENV = "MANY_RUNS_ROLLOUT_LOG"  # TimedRolloutLoop appends here (bench only)
 ADMIN_KEY = "many-runs-admin"
-# The child's entry (not ``-m``: the module must be ``tests.trl.many_runs``, not
+# The child's entry (not ``-m``: the module must be ``rollout_testbed.trl.many_runs``, not
 # ``__main__``, for the rollout child to find ``TimedRolloutLoop`` by name).
-CHILD_CODE = "import sys; from tests.trl.many_runs import child; sys.exit(child(sys.argv[1]))"
+CHILD_CODE = (
+    "import sys; from rollout_testbed.trl.many_runs import child; sys.exit(child(sys.argv[1]))"
+)
 
 
 # --------------------------------------------------------------------------- gateway
@@ -422,10 +423,11 @@ def _log_turn(t0: float, t1: float, ok: bool) -> None:
 def _timed_loop_cls() -> type:
     """TRL's ``_AsyncRolloutLoop`` with each generation turn timed (bench only). Built on
     first use (``__getattr__``) so importing this module does not import TRL; spawn's
-    pickle finds it again in the rollout child as ``tests.trl.many_runs.TimedRolloutLoop``."""
+    pickle finds it again in the rollout child as
+    ``rollout_testbed.trl.many_runs.TimedRolloutLoop``."""
     from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 
-    class TimedRolloutLoop(_AsyncRolloutLoop):  # type: ignore[misc,valid-type]
+    class TimedRolloutLoop(_AsyncRolloutLoop):  # type: ignore[misc]
         async def _generate_one_turn(self, prompt_ids: list[int]) -> Any:
             t0, ok = time.time(), False
             try:

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from rollout_testbed.local.vllm_env import checkout_root
+
+# The repository: the layer runs the gateway (``.venv``) and the trainer's tasks from a
+# checkout, never from an installed ``rollout-testbed``.
+_ROOT = checkout_root()
+if _ROOT is None:
+    raise ImportError("rollout_testbed.trl runs from a checkout of rollout-gateway only")
+REPO: Path = _ROOT
 TRL_DIR = REPO / ".run" / "trl"
 MODEL_DIR = TRL_DIR / "tiny-model"
 GATEWAY_PYTHON = REPO / ".venv" / "bin" / "python"
@@ -179,8 +186,9 @@ def build_model_dir(out: Path = MODEL_DIR) -> Path:
         with contextlib.suppress(ValueError, OSError):
             if json.loads(manifest.read_text()) == want:
                 return out
-    from rollout_testbed.local.tiny_model import build
     from transformers import AutoTokenizer
+
+    from rollout_testbed.local.tiny_model import build
 
     build(out, adapters=0, force=True)
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -490,8 +498,8 @@ def run_trl(spec: RunSpec, model_dir: Path = MODEL_DIR) -> RunResult:
     from transformers import TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    from tests.trl import cpu_shims
-    from tests.trl.rewards import digit_reward
+    from rollout_testbed.trl import cpu_shims
+    from rollout_testbed.trl.rewards import digit_reward
 
     cpu_shims.install()
     torch.set_num_threads(1)
