@@ -8,7 +8,7 @@ VLLM_PY := $(CURDIR)/.venv-vllm/bin/python
 VLLM_PATH := $(CURDIR):$(CURDIR)/testbed
 
 .PHONY: help venv vllm tools lint test test-fast test-container image demo bench bench-soak bench-ceiling bench-trl clean
-.PHONY: bench-overhead bench-routing bench-routing-vllm bench-transport bench-cpu bench-instructions \
+.PHONY: bench-overhead bench-routing bench-routing-vllm bench-cores bench-workers-routing bench-instructions \
 	bench-instructions-ablations bench-train bench-adapters bench-image
 
 help:
@@ -17,15 +17,15 @@ help:
 	@echo "make test-fast - unit + integration tests only (no real vLLM, no containers)"
 	@echo "make image  - build the sidecar image as localhost/rollout-gateway:dev (podman)"
 	@echo "make test-container - build the image (cached) and test it as a container"
-	@echo "make bench  - the quick ones: bench-overhead, bench-routing, bench-transport (~15 min)"
+	@echo "make bench  - the quick ones: bench-overhead, bench-routing (~12 min)"
 	@echo "  each bench-* target rewrites exactly its own files in bench/results/:"
 	@echo "make bench-overhead  - added latency and req/s vs vllm-router (overhead.*, <= 5 min)"
 	@echo "make bench-routing   - GRPO co-location and hit rate, simulated (routing.*, ~7 min)"
 	@echo "make bench-routing-vllm - prefix-cache hits on 2 real vLLM replicas (routing_vllm.*)"
-	@echo "make bench-transport - upstream client CPU per request (transport.*, ~3 min)"
+	@echo "make bench-workers-routing - routing across --workers N, simulated (workers_routing.*)"
 	@echo "make bench-ceiling - max sustained req/s vs vllm-router, with a py-spy profile (<= 15 min)"
 	@echo "                     (bench/results/ceiling/)"
-	@echo "make bench-cpu       - gateway CPU per request, BASE=<commit> vs this tree (cpu_per_request.*)"
+	@echo "make bench-cores     - --workers N vs vllm-router on N cores (cores.*, a >= 16-CPU host)"
 	@echo "make bench-instructions - valgrind instructions per request, BASE vs this tree (instructions.*)"
 	@echo "make bench-instructions-ablations - instructions.ablations.* (bench/ablate.py)"
 	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
@@ -81,7 +81,7 @@ demo: venv vllm
 
 # One target per committed result in bench/results/ (the file the README and docs cite);
 # each rewrites exactly its own files. `make bench` runs the quick ones (gateway venv only).
-bench: bench-overhead bench-routing bench-transport
+bench: bench-overhead bench-routing
 
 bench-overhead: venv
 	$(BIN)/python bench/overhead.py
@@ -92,8 +92,12 @@ bench-routing: venv
 bench-routing-vllm: venv vllm
 	$(BIN)/python bench/routing_vllm.py
 
-bench-transport: venv
-	$(BIN)/python bench/transport.py
+bench-workers-routing: venv
+	$(BIN)/python bench/workers_routing.py
+
+# Needs loadgens + fakes + 8 front cores (16 CPUs); bench/cores.py --smoke checks it on 2.
+bench-cores: venv
+	$(BIN)/python bench/cores.py --out-dir bench/results
 
 bench-soak: venv
 	$(BIN)/python bench/soak.py
@@ -109,14 +113,6 @@ define extract_base
 	rm -rf $(BASE_TREE) && mkdir -p $(BASE_TREE)
 	git archive $(BASE) | tar -x -C $(BASE_TREE)
 endef
-
-bench-cpu: venv
-	$(extract_base)
-	$(BIN)/python bench/cpu_per_request.py --variant base=$(BASE_TREE) --variant current=$(CURDIR) \
-	    --rounds 6 --lat-requests 2000 --json bench/results/cpu_per_request.json \
-	    > $(BASE_TREE).md
-	{ echo "# Gateway CPU per request: $(BASE) vs this tree (make bench-cpu BASE=$(BASE))"; \
-	  echo; cat $(BASE_TREE).md; } > bench/results/cpu_per_request.md
 
 bench-instructions: venv
 	$(extract_base)
