@@ -14,6 +14,7 @@ from rollout_testbed.sim.latency import LatencyModel
 
 from gateway.api.requests import _openers_exceed
 from tests.cluster import cluster
+from tests.eventually import eventually
 
 BODY = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 4}
 _BRACKETS = bytes(b"[{]}a1, "[i % 8] for i in range(256))  # any byte -> a JSON-ish one
@@ -99,12 +100,18 @@ async def test_global_in_flight_cap_answers_429_with_retry_after() -> None:
         cluster(1, SLOW, max_in_flight=3) as c,
         httpx.AsyncClient(base_url=c.url, timeout=10) as client,
     ):
-        slow = {**BODY, "max_tokens": 25}
-        results = await asyncio.gather(
-            *(client.post("/v1/completions", json=slow) for _ in range(8))
+        # The replica holds what it gets (a keep-pause): the three admitted requests stay in
+        # flight until every other one was answered, however slow the machine.
+        await c.sim(0).pause("keep")
+        sent = [asyncio.create_task(client.post("/v1/completions", json=BODY)) for _ in range(8)]
+        await eventually(
+            lambda: c.sim(0).waiting == 3 and sum(t.done() for t in sent) == 5,
+            "three requests held by the replica and five answered",
         )
+        c.sim(0).resume()
+        results = await asyncio.gather(*sent)
         codes = sorted(r.status_code for r in results)
-        assert codes.count(200) >= 3 and codes.count(429) >= 1, codes
+        assert codes == [200] * 3 + [429] * 5, codes  # the cap, exactly
         refused = next(r for r in results if r.status_code == 429)
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "RateLimitError"
@@ -119,13 +126,17 @@ async def test_per_client_cap_is_per_credential() -> None:
         cluster(1, SLOW, max_in_flight_per_client=1, api_key="k1") as c,
         httpx.AsyncClient(base_url=c.url, timeout=10) as client,
     ):
-        slow = {**BODY, "max_tokens": 25}
         a = {"authorization": "Bearer k1"}
-        first = asyncio.create_task(client.post("/v1/completions", json=slow, headers=a))
-        await asyncio.sleep(0.15)
-        second = await client.post("/v1/completions", json=slow, headers=a)
+        # The replica holds the first request (a keep-pause) until the test says so: it is
+        # in flight for as long as the second takes, however slow the machine.
+        await c.sim(0).pause("keep")
+        first = asyncio.create_task(client.post("/v1/completions", json=BODY, headers=a))
+        await eventually(lambda: c.sim(0).waiting == 1, "the first request held by the replica")
+        second = await client.post("/v1/completions", json=BODY, headers=a)
         assert second.status_code == 429
         assert "this client" in second.json()["error"]["message"]
+        assert c.sim(0).waiting == 1  # the refused one never reached the replica
+        c.sim(0).resume()
         assert (await first).status_code == 200
         assert c.gateway.admission.clients() == 0
         metrics = (await client.get("/metrics")).text
