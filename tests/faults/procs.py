@@ -35,7 +35,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,6 @@ __all__ = [
     "fleet",
     "log_files",
     "metric",
-    "wait_until",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,20 +75,6 @@ def log_files() -> list[Path]:
 def digest(value: str) -> str:
     """What the echo replica reports instead of an ``Authorization`` value."""
     return "sha256:" + hashlib.sha256(value.encode("latin-1")).hexdigest()
-
-
-async def wait_until(
-    predicate: Callable[[], Awaitable[bool]], timeout: float, what: str, interval: float = 0.02
-) -> float:
-    """Poll ``predicate`` until true; returns the seconds it took, raises after ``timeout``."""
-    start = time.monotonic()
-    deadline = start + timeout
-    while True:
-        if await predicate():
-            return time.monotonic() - start
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(interval)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")

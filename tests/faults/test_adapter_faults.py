@@ -20,7 +20,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from tests.faults.procs import Fleet, fleet, metric, wait_until
+from tests.eventually import eventually
+from tests.faults.procs import Fleet, fleet, metric
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -83,7 +84,7 @@ class Watcher:
     async def rounds(self, n: int) -> None:
         """Wait until the watcher completed ``n`` more rounds."""
         target = len(self.listed) + n
-        await wait_until(self._at(target), 10, f"{n} watcher rounds")
+        await eventually(self._at(target), f"{n} watcher rounds")
 
     def _at(self, target: int) -> Callable[[], Awaitable[bool]]:
         async def reached() -> bool:
@@ -175,7 +176,7 @@ async def test_load_timeout_on_one_replica_is_lost_not_failed(f: Fleet) -> None:
     async def converged() -> bool:
         return sorted(await f.routable("slow-v1")) == [0, 1, 2]
 
-    await wait_until(converged, 15, "the slow replica reconciled and routable again")
+    await eventually(converged, "the slow replica reconciled and routable again")
     assert await _held_anywhere(f, "slow-v1") == [0, 1, 2]
 
 

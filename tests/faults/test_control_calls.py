@@ -19,9 +19,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.faults.procs import ADMIN, Fleet, fleet, wait_until
+from tests.eventually import eventually
+from tests.faults.procs import ADMIN, Fleet, fleet
 
 PAUSE = "/pause?mode=keep"
+# The hung replica is ejected by its probes timing out. The gateway has one probe timeout
+# for every replica, so it must be one that a loaded, stalled box never trips on the
+# replicas meant to stay healthy: 3 s (over a 2 s stall). Ejection then takes
+# 2 x (0.2 + 3) = 6.4 s, still far under BROADCAST_S, which a control call that waited on
+# the hung replica instead of its ejection would take.
+BROADCAST_S = 60
+HUNG_SETTINGS = {"health_timeout_s": 3.0, "broadcast_timeout_s": BROADCAST_S}
 
 
 async def _paused(f: Fleet, index: int) -> bool:
@@ -53,7 +61,7 @@ async def test_pause_with_a_just_killed_replica_succeeds_and_it_rejoins_paused(
 
         f.sims[1].start()
         await f.wait_sim_up(1)
-        await wait_until(lambda: _healthy(f, 1), 10, "replica 1 re-admitted")
+        await eventually(lambda: _healthy(f, 1), "replica 1 re-admitted")
         assert await _paused(f, 1), "a replica rejoining a paused fleet must be paused too"
 
         r = await f.client.post("/resume", headers=ADMIN)
@@ -78,20 +86,20 @@ async def test_a_refused_pause_fails_and_is_undone_everywhere(tmp_path: Path) ->
 async def test_a_hung_replica_is_left_out_of_pause_and_resumed_when_it_wakes(
     tmp_path: Path,
 ) -> None:
-    settings = {"health_timeout_s": 0.3, "broadcast_timeout_s": 60}
-    async with fleet(tmp_path, 3, health_interval_s=0.2, settings=settings) as f:
+    async with fleet(tmp_path, 3, health_interval_s=0.2, settings=HUNG_SETTINGS) as f:
         f.sims[2].freeze()  # SIGSTOP: accepts, never answers
         start = time.monotonic()
         r = await f.client.post(PAUSE, headers=ADMIN)
         took = time.monotonic() - start
         assert r.status_code == 200, r.text
-        assert took < 5.0, f"/pause waited {took:.1f}s on a hung replica"
+        # Answered at the ejection, not after the per-replica broadcast timeout.
+        assert took < BROADCAST_S / 2, f"/pause waited {took:.1f}s on a hung replica"
         assert not await _healthy(f, 2)
         assert (await f.client.post("/resume", headers=ADMIN)).status_code == 200
 
         f.sims[2].thaw()  # it may now apply the /pause it was left out of
-        await wait_until(lambda: _healthy(f, 2), 10, "replica 2 re-admitted")
-        await wait_until(lambda: _running(f, 2), 5, "the woken replica resumed like the fleet")
+        await eventually(lambda: _healthy(f, 2), "replica 2 re-admitted")
+        await eventually(lambda: _running(f, 2), "the woken replica resumed like the fleet")
 
 
 async def _running(f: Fleet, index: int) -> bool:
@@ -101,17 +109,19 @@ async def _running(f: Fleet, index: int) -> bool:
 async def test_a_load_with_a_hung_replica_goes_live_on_the_others_and_heals(
     tmp_path: Path,
 ) -> None:
-    settings = {"health_timeout_s": 0.3, "broadcast_timeout_s": 60}
-    async with fleet(tmp_path, 3, health_interval_s=0.2, settings=settings) as f:
+    async with fleet(tmp_path, 3, health_interval_s=0.2, settings=HUNG_SETTINGS) as f:
         f.sims[2].freeze()
         start = time.monotonic()
         r = await f.load("pol-v1")
         assert r.status_code == 200, r.text
-        assert time.monotonic() - start < 5.0
+        # Live at the ejection, not after the per-replica broadcast timeout.
+        assert time.monotonic() - start < BROADCAST_S / 2
+        # Live on exactly the two that answered (a probe timeout of the healthy ones,
+        # which a loaded box could trip at 0.3 s, is out of reach at 3 s).
         assert await f.routable("pol-v1") == [0, 1]
 
         f.sims[2].thaw()
-        await wait_until(lambda: _adapters_up(f, 2), 15, "replica 2 reconciled")
+        await eventually(lambda: _adapters_up(f, 2), "replica 2 reconciled")
         assert set(await f.held(2)) == {"pol-v1"}
         assert await f.routable("pol-v1") == [0, 1, 2]
         unload = {"lora_name": "pol-v1"}
@@ -121,7 +131,7 @@ async def test_a_load_with_a_hung_replica_goes_live_on_the_others_and_heals(
         async def empty() -> bool:
             return [await f.held(i) for i in range(3)] == [{}, {}, {}]
 
-        await wait_until(empty, 15, "no replica keeps a stray copy")
+        await eventually(empty, "no replica keeps a stray copy")
 
 
 async def test_fewer_replicas_than_health_min_replicas_is_503_and_undone(
@@ -150,14 +160,17 @@ async def test_control_characters_in_names_and_paths_are_refused_at_once(
             ("/v1/unload_lora_adapter", {"lora_name": "pol\nv1"}),
         ]
         for path, body in cases:
-            start = time.monotonic()
             r = await f.client.post(path, json=body, headers=ADMIN)
             assert r.status_code == 400, (body, r.text)
-            assert time.monotonic() - start < 2.0
             error = r.json()["error"]
             assert "control characters" in error["message"]
             assert error["param"] in ("lora_name", "lora_path")
         assert not await f.held(0) and not await f.held(1)
+        # Refused at once: no replica was asked at all (a gateway that forwarded the call
+        # and refused only the answer would show here, whatever the timing).
+        for i in range(2):
+            stats = await f.sim_stats(i)
+            assert stats["loads"] == [] and stats["unloads"] == [], stats
         r = await f.client.get("/v1/models")
         assert [m["id"] for m in r.json()["data"]] == ["tiny-base"]
         assert (await f.client.get("/health")).status_code == 200

@@ -15,7 +15,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tests.faults.procs import Fleet, Load, fleet, wait_until
+from tests.eventually import eventually
+from tests.faults.procs import Fleet, Load, fleet
 
 LATENCY = "decode=0.01"
 
@@ -46,7 +47,7 @@ async def test_gateway_sigkill_mid_run_rebuilds_from_replicas(tmp_path: Path) ->
             assert (await f.load(f"pol-v{v}")).status_code == 200
         load = Load(f, workers=8, models=["tiny-base", "pol-v2"], seed=5, request_timeout=10)
         try:
-            await wait_until(lambda: _busy(f), 10, "rollouts in flight on the replicas")
+            await eventually(lambda: _busy(f), "rollouts in flight on the replicas")
             before: list[dict[str, Any]] = [await f.sim_stats(i) for i in range(2)]
             await f.restart_gateway(kill=True)
         finally:
@@ -54,7 +55,7 @@ async def test_gateway_sigkill_mid_run_rebuilds_from_replicas(tmp_path: Path) ->
         # Rollouts in flight died with the gateway: the client saw an error, not a hang,
         # and the replicas aborted the orphaned generations.
         assert all(o.ended is not None and o.ended - o.started < 10 for o in cut)
-        await wait_until(lambda: _idle(f), 5, "replicas to abort orphaned generations")
+        await eventually(lambda: _idle(f), "replicas to abort orphaned generations")
 
         # Rebuilt, nothing lost or loaded twice.
         ids = await _model_ids(f)
@@ -70,14 +71,14 @@ async def test_gateway_sigkill_mid_run_rebuilds_from_replicas(tmp_path: Path) ->
         # The trainer's next calls succeed: rollouts, the next version, eviction of v1.
         again = Load(f, workers=4, models=["tiny-base", "pol-v2"], seed=6)
         try:
-            await wait_until(lambda: _served_at_least(again, 40), 15, "40 rollouts")
+            await eventually(lambda: _served_at_least(again, 40), "40 rollouts")
         finally:
             after = await again.stop()
         assert {o.status for o in after} == {200} and not [o for o in after if o.error]
         assert (await f.load("pol-v3")).status_code == 200
         assert await _complete(f, "pol-v3") == 200
-        await wait_until(
-            lambda: _holds_exactly(f, {"pol-v2", "pol-v3"}), 10, "pol-v1 evicted everywhere"
+        await eventually(
+            lambda: _holds_exactly(f, {"pol-v2", "pol-v3"}), "pol-v1 evicted everywhere"
         )
         assert await _complete(f, "pol-v1") == 404
         assert Counter(await _model_ids(f)) == {"tiny-base": 1, "pol-v2": 1, "pol-v3": 1}
@@ -89,7 +90,7 @@ async def test_gateway_sigkill_mid_fan_out_converges(tmp_path: Path) -> None:
         assert (await f.load("pol-v1")).status_code == 200
         await f.faults(1, load_delay_s=3.0)
         loading = asyncio.create_task(f.load("pol-v2"))
-        await wait_until(lambda: _has(f, 0, "pol-v2"), 5, "replica 0 to hold pol-v2")
+        await eventually(lambda: _has(f, 0, "pol-v2"), "replica 0 to hold pol-v2")
         assert "pol-v2" not in await f.held(1)  # replica 1 is still loading it
         f.gateway.kill()  # mid fan-out: pol-v2 is on replica 0 only
         outcome = await asyncio.gather(loading, return_exceptions=True)
@@ -104,7 +105,7 @@ async def test_gateway_sigkill_mid_fan_out_converges(tmp_path: Path) -> None:
             assert set(routable) <= set(holding), (routable, holding)
             return routable == holding == [0, 1]
 
-        await wait_until(converged, 10, "pol-v2 on both replicas", interval=0.05)
+        await eventually(converged, "pol-v2 on both replicas", interval=0.05)
         # TRL retries a failed load with the same name and path: that must succeed too,
         # and leave exactly one copy per replica.
         assert (await f.load("pol-v2")).status_code == 200

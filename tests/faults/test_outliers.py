@@ -25,7 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.faults.procs import Fleet, fleet, metric, wait_until
+from tests.eventually import eventually
+from tests.faults.procs import Fleet, fleet, metric
 
 EJECTION_S = 0.3
 CONSECUTIVE = 3
@@ -69,12 +70,12 @@ async def test_slow_429s_eject_then_half_open_trials_back_off_and_close(tmp_path
         stop = asyncio.Event()
         clients = [asyncio.create_task(_hammer(f, stop, answers, s)) for s in range(6)]
         try:
-            await wait_until(lambda: _trials(answers, 3), 10, "three failed half-open trials")
+            await eventually(lambda: _trials(answers, 3), "three failed half-open trials")
             await f.clear_faults(VICTIM)
-            closed_at = await wait_until(
-                lambda: _closed(f), 10, "a good trial to close the breaker"
-            )
-            await wait_until(lambda: _victim_answers(answers, 200, 5), 5, "traffic back")
+            cleared_at = time.monotonic()
+            await eventually(lambda: _closed(f), "a good trial to close the breaker")
+            closed_at = time.monotonic() - cleared_at
+            await eventually(lambda: _victim_answers(answers, 200, 5), "traffic back")
         finally:
             stop.set()
             await asyncio.wait_for(asyncio.gather(*clients), 30)
@@ -88,14 +89,21 @@ async def test_slow_429s_eject_then_half_open_trials_back_off_and_close(tmp_path
         # early and ``done`` late, so each is bounded by the other and SLOW_S: a stall can
         # only make a gap look longer. (From the raw times, CI saw a gap of 0.03 s where the
         # next was an exact 1.19 s: a 0.57 s stall; here once, 0.81 s for 1.2 s.)
+        # So only lower bounds are asserted: the bounding above puts each estimate within
+        # ANSWER_SLACK_S of the truth, so a gap is at least ``want - 2 * ANSWER_SLACK_S``
+        # unless the breaker let a trial through early. Upper bounds ("never stuck") are
+        # the waits above: a breaker that never half-opened again fails them.
         answered = sorted(_answered(a) for a in answers if a.replica == VICTIM and a.status == 429)
         starts = [answered[CONSECUTIVE - 1]] + [_answered(t) for t in trials]
         gaps = [_arrived(b) - a for a, b in zip(starts, trials, strict=False)]
         print(f"outliers: trial gaps {[round(g, 2) for g in gaps]} s, closed in {closed_at:.2f}s")
         for n, gap in enumerate(gaps[:3]):
             want = EJECTION_S * 2**n
-            assert 0.5 * want <= gap <= 2 * want + 1.5, (n, gaps)  # never early, nor stuck
-        assert gaps[2] > gaps[0], gaps  # the wait grows
+            assert 0.5 * want <= gap, (n, gaps)  # never early
+        # The wait grows: the third gap is at least 0.6 s, where a breaker that kept its
+        # first 0.3 s would give 0.3 s plus the estimates' 0.1 s (plus stalls: a false pass
+        # at worst, never a false failure). The doubling itself is in the gateway's log.
+        assert len(gaps) >= 3, gaps
         for a, b in itertools.pairwise(trials):
             assert b.sent >= a.done, "two trials were in flight at once"
         assert all(a.status == 200 for a in answers if a.replica != VICTIM)
@@ -136,8 +144,8 @@ async def test_retry_budget_caps_retries_when_a_replica_dies(tmp_path: Path) -> 
                 for _ in range(16)]  # fmt: skip
         # Round robin sends every other request to the victim: 8 of 16 from one process;
         # with ``--workers N`` each worker alternates on its own share, so 7 or 8.
-        await wait_until(lambda: _running(f, VICTIM, 7), 10, "7+ requests on the victim")
-        await wait_until(lambda: _all_running(f, 16), 10, "all 16 generating")
+        await eventually(lambda: _running(f, VICTIM, 7), "7+ requests on the victim")
+        await eventually(lambda: _all_running(f, 16), "all 16 generating")
         on_victim = int((await f.sim_stats(VICTIM))["running"])
         f.sims[VICTIM].kill()
         answers = await asyncio.wait_for(asyncio.gather(*sent), 30)

@@ -14,7 +14,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tests.faults.procs import Fleet, Load, Outcome, fleet, metric, wait_until
+from tests.eventually import STALL_S, eventually
+from tests.faults.procs import Fleet, Load, Outcome, fleet, metric
 
 HEALTH_INTERVAL_S = 0.5
 LATENCY = "decode=0.01"  # 10 ms a token: 8-20 tokens = 80-200 ms per request
@@ -33,24 +34,26 @@ async def test_sigkill_under_load_loses_nothing_and_reconciles(tmp_path: Path) -
         load = Load(f, workers=12, models=["tiny-base", "pol-v1"], seed=1)
         try:
             # A stream mid-body on the victim, and a buffered request waiting on it.
-            await wait_until(
-                lambda: _ready(f, load), 10, "a stream mid-body and a request waiting on replica 1"
+            await eventually(
+                lambda: _ready(f, load), "a stream mid-body and a request waiting on replica 1"
             )
             doomed = {id(o) for o in load.live_on(VICTIM, stream=True, mid_body=True)}
             killed_at = time.monotonic()
             f.sims[VICTIM].kill()
-            ejected_after = await wait_until(
-                lambda: _down(f, VICTIM), 5, "replica 1 ejected", interval=0.01
-            )
+            await eventually(lambda: _down(f, VICTIM), "replica 1 ejected", interval=0.01)
+            ejected_after = time.monotonic() - killed_at
+            # Ejected by the refused connections, before any probe round could fail twice:
+            # read now, before the restart (probes of the dead replica may add some later).
+            ejections_at_kill = await _ejections(f)
             await asyncio.sleep(1.0)  # the fleet serves on two replicas for a while
             served_before = await _served(f)
             f.sims[VICTIM].start()  # same port, empty adapter set, like a restarted vLLM
             await f.wait_sim_up(VICTIM)
             restarted_at = time.monotonic()
-            await wait_until(lambda: _adapters_synced(f, VICTIM), 10, "replica 1 re-admitted")
+            await eventually(lambda: _adapters_synced(f, VICTIM), "replica 1 re-admitted")
             readmitted_after = time.monotonic() - restarted_at
-            await wait_until(
-                lambda: _victim_served_adapter(f), 10, "adapter traffic on the restarted replica"
+            await eventually(
+                lambda: _victim_served_adapter(f), "adapter traffic on the restarted replica"
             )
         finally:
             outcomes = await load.stop()
@@ -61,13 +64,17 @@ async def test_sigkill_under_load_loses_nothing_and_reconciles(tmp_path: Path) -
             f"{readmitted_after * 1000:.0f} ms after restart"
         )
         # Ejection on the spot: passive, by the first refused connection under load, not
-        # after probes (two failed probes take one interval at least). The bound is one
-        # interval plus 1 s for a stalled client loop, which polls the status to see it.
-        assert ejected_after <= HEALTH_INTERVAL_S + 1.0, f"ejected after {ejected_after:.3f}s"
+        # after probes. The gateway's own count says which, with no clock involved: a
+        # gateway that waited for its probes would have counted cause="probe" (two failed
+        # rounds take one interval at least, and the status poll sees the first ejection).
+        assert ejections_at_kill["passive"] >= 1, ejections_at_kill  # one per worker
+        assert ejections_at_kill["probe"] == 0, ejections_at_kill
         metrics = await f.metrics()
-        ejections = "gateway_replica_ejections_total"
-        assert metric(metrics, ejections, replica=str(VICTIM), cause="passive") >= 1
-        assert readmitted_after <= 2 * HEALTH_INTERVAL_S + 1.0, readmitted_after
+        # Re-admitted by the first good probe (healthy_threshold 1) and reconciled: within
+        # two probe rounds, with STALL_S for a stalled machine. A gateway that left a
+        # restarted replica out (or waited for something else, e.g. its outlier ejection)
+        # would still be out at this bound, or never back (the wait above fails).
+        assert readmitted_after <= 2 * HEALTH_INTERVAL_S + STALL_S, readmitted_after
 
         # Nothing lost: every request answered 200; no client-side timeouts or resets.
         assert len(outcomes) >= 100, len(outcomes)
@@ -85,6 +92,7 @@ async def test_sigkill_under_load_loses_nothing_and_reconciles(tmp_path: Path) -
             assert error is not None, f"stream neither done nor errored: {o.body[-200:]!r}"
             assert error["message"] and error["code"] == 502, error
             assert o.replica == str(VICTIM) and o.started < killed_at, o
+            # Ended at the kill, not by a timeout (the client's is 20 s).
             assert o.ended is not None and o.ended - killed_at < 5.0
         assert doomed & {id(o) for o in broken}, "no stream mid-body at the kill was cut"
         retries = metric(metrics, "gateway_upstream_retries_total")
@@ -99,7 +107,7 @@ async def test_sigkill_under_load_loses_nothing_and_reconciles(tmp_path: Path) -
         assert stats["requests_by_model"].get("pol-v1", 0) >= 1
         served_after = await _served(f)
         assert served_after[VICTIM] > served_before[VICTIM], "victim got no traffic back"
-        await wait_until(lambda: _in_flight_zero(f), 5, "in-flight counts back to zero")
+        await eventually(lambda: _in_flight_zero(f), "in-flight counts back to zero")
         assert f.gateway_errors() == []
 
 
@@ -118,6 +126,12 @@ def broken_streams(outcomes: list[Outcome]) -> list[Outcome]:
 
 async def _down(f: Fleet, index: int) -> bool:
     return not await f.healthy(index)
+
+
+async def _ejections(f: Fleet) -> dict[str, int]:
+    text = await f.metrics()
+    return {cause: int(metric(text, "gateway_replica_ejections_total", replica=str(VICTIM),
+                              cause=cause)) for cause in ("passive", "probe")}  # fmt: skip
 
 
 async def _served(f: Fleet) -> list[int]:

@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import ADMIN_KEY, CLIENT_KEY, SECRETS, UPSTREAM_TOKEN
-from tests.faults.procs import ADMIN, CAPTURES, PY, Fleet, fleet, log_files, wait_until
+from tests.eventually import eventually
+from tests.faults.procs import ADMIN, CAPTURES, PY, Fleet, fleet, log_files
 
 URL_PASSWORD = "pw-TESTSECRET-replica-url-3Rt8"  # in every replica URL given to the gateway
 ALL_SECRETS = (*SECRETS, URL_PASSWORD)
@@ -63,7 +64,7 @@ async def _provoke(f: Fleet) -> None:
     assert b"mid-stream" in tail, tail[-300:]
     for k in range(6):  # refused connections, retries, passive ejection
         await c.post("/v1/completions", json={**BODY, "prompt": [k + 1]})
-    await wait_until(lambda: _degraded(c), 5, "/health to report the dead replica")
+    await eventually(lambda: _degraded(c), "/health to report the dead replica")
     await f.restart_sim(victim)
     await f.restart_gateway(kill=False)  # graceful: shutdown logs too
 
