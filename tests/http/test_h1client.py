@@ -8,12 +8,14 @@ import gc
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 
 from gateway.http import h1client
 from gateway.http.h1client import H1Pool
 from gateway.http.h1response import BrokenResponse, ConnectFailed, ResetBeforeResponse
+from tests.eventually import eventually
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n"
@@ -171,17 +173,27 @@ async def test_read_nowait_has_the_body_only_once_all_of_it_arrived() -> None:
     """``read_nowait``: the body when it came with the head; None while some is missing
     (then ``read`` waits for it); the error, once it broke."""
 
+    checked_half = asyncio.Event()  # the rest of "half" is sent only after the check
+
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nha")
         await writer.drain()
-        await asyncio.sleep(0.1)
+        await checked_half.wait()
         writer.write(b"lf")
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nbro")
         await writer.drain()
+
+    def broke(response: Any) -> bool:
+        """False while ``read_nowait`` still waits (None); True once it raises."""
+        try:
+            assert response.read_nowait() is None, "a broken body read as whole"
+        except BrokenResponse:
+            return True
+        return False
 
     async with server(handler) as (port, _):
         pool = pool_for(port)
@@ -190,12 +202,12 @@ async def test_read_nowait_has_the_body_only_once_all_of_it_arrived() -> None:
         whole.release()
         half = await pool.request(HEAD, b"{}")
         assert half.read_nowait() is None
+        checked_half.set()
         assert await half.read() == b"half"
         half.release()
         broken = await pool.request(HEAD, b"{}")
-        await asyncio.sleep(0.1)  # the server's close arrives
-        with pytest.raises(BrokenResponse):
-            broken.read_nowait()
+        # The server's close arrives on a later loop pass: until then None, then the error.
+        await eventually(lambda: broke(broken), "read_nowait to report the server's close")
         broken.release()
         assert not pool._idle
         pool.close()
@@ -261,11 +273,8 @@ async def test_idle_connection_closed_by_server_is_not_reused() -> None:
         first = await pool.request(HEAD, b"{}")
         assert await first.read() == b"ok"
         first.release()
-        for _ in range(100):  # the FIN arrives asynchronously
-            if not pool._idle:
-                break
-            await asyncio.sleep(0.01)
-        assert not pool._idle
+        # The FIN arrives asynchronously: the pool drops the connection when it does.
+        await eventually(lambda: not pool._idle, "the closed connection dropped from idle")
         second = await pool.request(HEAD, b"{}")
         assert await second.read() == b"ok"
         second.release()
@@ -313,11 +322,10 @@ async def test_a_closed_connection_is_freed_by_reference_counting() -> None:
             assert await response.read() == b"{}"
             response.release()
             del response
-            for _ in range(100):  # connection_lost runs on a later loop pass
-                await asyncio.sleep(0.01)
-                if conns[0]() is None:
-                    break
-            assert conns[0]() is None, "the closed connection is only reachable by the GC"
+            # connection_lost runs on a later loop pass; gc stays disabled throughout, so
+            # only reference counting can free it.
+            await eventually(lambda: conns[0]() is None, "the closed connection freed "
+                             "without the GC (else it is only reachable by the GC)")  # fmt: skip
         finally:
             gc.enable()
         pool.close()

@@ -17,6 +17,7 @@ from gateway.http import h1server, handoff
 from gateway.http.exchange import LeanExchange
 from gateway.http.h1server import lean_protocol
 from tests.cluster import Cluster, cluster
+from tests.eventually import eventually
 
 BODY = json.dumps({"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
 
@@ -237,11 +238,13 @@ async def test_a_head_that_never_ends_gets_431_and_the_connection_closes() -> No
         assert sum(c.sim(0).stats.requests_by_model.values()) == 1
 
 
-async def _refused_by_the_kernel(writer: asyncio.StreamWriter, rounds: int) -> bool:
-    """Whether writing (``rounds`` x 64 KiB at most) fails: the gateway has closed."""
+async def _refused_by_the_kernel(
+    writer: asyncio.StreamWriter, rounds: int, chunk: bytes = _CHUNK
+) -> bool:
+    """Whether writing (``rounds`` x ``chunk`` at most) fails: the gateway has closed."""
     for _ in range(rounds):
         try:
-            writer.write(_CHUNK)
+            writer.write(chunk)
             await writer.drain()
         except ConnectionError:
             return True
@@ -252,15 +255,21 @@ async def _refused_by_the_kernel(writer: asyncio.StreamWriter, rounds: int) -> b
 async def test_the_lingering_close_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """After its 431 the gateway half-closes at once and still reads (and drops) what the
     client sends; ``_LINGER_S`` later it closes, and the client's bytes are refused."""
-    # The default 2 s: the checks before it must fit inside, and the loop they share with
-    # the gateway may stall (0.5 s left a 2-core CI box too little).
-    monkeypatch.setattr(handoff, "_LINGER_S", 2.0)
+    # 3 s: the checks of the lingering phase must fit inside it, and the loop they share
+    # with the gateway may stall (0.5 s left a 2-core CI box too little; 2 s must fit).
+    monkeypatch.setattr(handoff, "_LINGER_S", 3.0)
     async with cluster(1) as c, connection(c) as (reader, writer):
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()  # before the gateway saw the head, so before its timer
         await _refused_head(reader, writer)
         assert await reader.reader.read() == b""  # the gateway's half-close
         assert not await _refused_by_the_kernel(writer, 4)  # lingering: read and dropped
-        await asyncio.sleep(2.5)
-        assert await _refused_by_the_kernel(writer, 50)
+        # Then closed by the timer: polled with one byte at a time, so the byte bound
+        # (_LINGER_BYTES, 4 MiB) cannot be what closes it. Never before _LINGER_S (a stall
+        # only makes it later); a close that never came fails the wait.
+        await eventually(lambda: _refused_by_the_kernel(writer, 1, b"a"), "the lingering close",
+                         interval=0.05)  # fmt: skip
+        assert loop.time() - sent_at >= handoff._LINGER_S
 
 
 async def test_the_lingering_close_is_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
