@@ -19,6 +19,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway import __version__
 from gateway.adapters.manager import AdapterManager
 from gateway.adapters.naming import NamePattern
 from gateway.adapters.state import AdapterPolicy
@@ -27,6 +28,7 @@ from gateway.config import Settings
 from gateway.core import Gateway
 from gateway.errors import GatewayError, NotFound, error_body
 from gateway.fleet.discovery import Discovery
+from gateway.fleet.preflight import check_replica, exposure_warning, replica_warning, source
 from gateway.fleet.replicas import ReplicaPool
 from gateway.fleet.shared import SharedState
 from gateway.http.disconnect import ClientDisconnected
@@ -120,6 +122,42 @@ def run_table(settings: Settings) -> RunTable:
     return RunTable(runs)
 
 
+async def _first_minute(gateway: Gateway) -> list[int]:
+    """Start-up warnings, each once: replicas down, replicas lacking what TRL needs (asked
+    without side effects, ``fleet/preflight.py``), an open port with no key. Returns the
+    healthy replicas."""
+    settings = gateway.settings
+    healthy = gateway.pool.healthy_indices()
+    for r in gateway.pool.replicas:
+        if r.index not in healthy:
+            log.warning("replica %d (%s) is down at start; it joins when a probe passes",
+                        r.index, r.display)  # fmt: skip
+    up = [r for r in gateway.pool.replicas if r.index in healthy]
+    found = await asyncio.gather(
+        *(check_replica(gateway, r.index, settings.health_timeout_s) for r in up)
+    )
+    for r, caps in zip(up, found, strict=True):
+        if warning := replica_warning(f"{r.index} ({r.display})", caps):
+            log.warning("%s", warning)
+    if warning := exposure_warning(settings):
+        log.warning("%s", warning)
+    return list(healthy)
+
+
+def _auth(settings: Settings) -> str:
+    admin = ", admin key" if settings.admin_key is not None else ""
+    if settings.runs:
+        return f"on ({len(settings.runs)} run keys{admin})"
+    if settings.api_key is not None:
+        return f"on (api key{admin})"
+    return "off, admin key on control calls" if admin else "off"
+
+
+def _roots(settings: Settings) -> str:
+    roots = [str(r.adapter_root) for r in settings.runs] or list(map(str, settings.adapter_roots))
+    return ", ".join(roots) if roots else "none (any lora_path)"
+
+
 def _starts_with(prefix: str) -> Callable[[str], bool]:
     return lambda name: name.startswith(prefix)
 
@@ -182,15 +220,13 @@ def create_app(
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, discovery.wake)
                 hup = True
-        healthy = gateway.pool.healthy_indices()
-        for r in gateway.pool.replicas:
-            if r.index not in healthy:
-                log.warning("replica %d (%s) is down at start; it joins when a probe passes",
-                            r.index, r.display)  # fmt: skip
+        healthy = await _first_minute(gateway)
         log.info(
-            "gateway up on http://%s:%d: %d/%d replicas healthy, router %s, max_staleness %s",
+            "gateway up on http://%s:%d: %d/%d replicas healthy, router %s, max_staleness %s; "
+            "version %s, auth %s, adapter roots %s, replicas from %s",
             settings.host, settings.port, len(healthy), len(gateway.pool),
-            gateway.router.name, settings.max_staleness,
+            gateway.router.name, settings.max_staleness, __version__, _auth(settings),
+            _roots(settings), source(settings),
         )  # fmt: skip
         try:
             async with attach() if attach is not None else contextlib.nullcontext():

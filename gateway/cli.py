@@ -10,7 +10,7 @@ import argparse
 import gc
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, get_args
 
 __all__ = ["main"]
 
@@ -29,8 +29,32 @@ or a JSON list), GATEWAY_PORT, GATEWAY_UPSTREAM_TOKEN, GATEWAY_API_KEY, GATEWAY_
 GATEWAY_MAX_STALENESS, GATEWAY_ADAPTER_ROOTS (os.pathsep-separated), GATEWAY_CONFIG,
 GATEWAY_LOG_FORMAT. Secrets can be read from files: --upstream-token-file /
 GATEWAY_UPSTREAM_TOKEN_FILE, and likewise for the API and admin keys. Precedence: flags,
-then environment, then the --config YAML file, then defaults. See docs/configuration.md.
+then environment, then the --config YAML file, then defaults; for a secret, the highest
+layer giving it as a value or as a file wins. An unknown GATEWAY_* variable or YAML key
+is an error. Settings without a flag, and why: docs/configuration.md.
 """
+
+# Settings with no flag, and why (docs/configuration.md repeats it; tests/test_cli_checks.py
+# holds every setting to a flag or an entry here).
+NO_FLAG = {
+    "runs": "structured (a list of runs with keys): YAML, or JSON in GATEWAY_RUNS",
+    "routing": "structured (RoutingConfig fields): YAML, or JSON in GATEWAY_ROUTING",
+    "lora_slots_per_replica": "many-runs placement: lives in the YAML beside runs",
+    "run_pause": "many-runs pause semantics: lives in the YAML beside runs",
+    "adapter_name_pattern": "a regex agreed with the trainer's names, set once",
+    "adapter_retry_initial_s": "mount-lag backoff detail; --adapter-load-deadline-s bounds it",
+    "adapter_retry_max_s": "mount-lag backoff detail; --adapter-load-deadline-s bounds it",
+    "adapter_unload_grace_s": "in-flight grace of an unload, not an incident lever",
+    "max_header_bytes": "request-shape limit, set once per deployment",
+    "max_header_count": "request-shape limit, set once per deployment",
+    "max_json_depth": "request-shape limit, set once per deployment",
+    "max_n": "request-shape limit, set once per deployment",
+    "max_connections": "connection-pool size, sized from measurements (docs/performance.md)",
+    "outlier_max_ejection_s": "breaker tuning, measured (docs/reliability.md)",
+    "outlier_max_ejected_fraction": "breaker tuning, measured (docs/reliability.md)",
+    "retry_budget_ratio": "retry-budget tuning, measured (docs/reliability.md)",
+    "retry_budget_min_per_s": "retry-budget tuning, measured (docs/reliability.md)",
+}
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -99,12 +123,40 @@ def _serve_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="lora_path must resolve inside DIR (repeatable)",
     )
-    add("--router", help="routing policy: prefix (default), least_loaded, round_robin, random")
+    add("--router", choices=_choices("router"), help="routing policy (default prefix)")
     add("--config", metavar="FILE", help="YAML file with any of these settings")
     add("--log-format", choices=["text", "json"], help="log line format (default text)")
     add("--log-level", help="logging level (default INFO)")
     add("--health-interval-s", type=float, help="active health probe period (default 2)")
     add("--health-timeout-s", type=float, help="timeout of one health probe (default 2)")
+    add("--unhealthy-threshold", type=int, help="failed probes before ejection (default 2)")
+    add("--healthy-threshold", type=int, help="good probes before re-admission (default 1)")
+    add(
+        "--health-min-replicas",
+        type=int,
+        metavar="N",
+        help="degraded mode: /health is 200 with at least N replicas up, and control calls "
+        "need N (default: all for /health, 1 for control calls)",
+    )
+    add("--connect-timeout-s", type=float, help="TCP connect timeout to a replica (default 5)")
+    add(
+        "--read-timeout-s",
+        type=float,
+        help="longest silence while reading a replica's answer (default 600)",
+    )
+    add(
+        "--broadcast-timeout-s",
+        type=float,
+        help="per-replica timeout of pause/resume/load/unload; a replica that misses it is "
+        "lost, not failed (default 120)",
+    )
+    add(
+        "--adapter-load-deadline-s",
+        type=float,
+        help="retry 'No adapter found' (shared-filesystem lag) this long, then 504 (default 300)",
+    )
+    add("--upstream-ca-file", metavar="FILE", help="PEM CA bundle for https:// replicas")
+    add("--max-tokens-limit", type=int, help="largest max_tokens accepted (default: none)")
     add("--max-body-bytes", type=int, help="request body limit (default 32 MiB)")
     add("--max-in-flight", type=int, help="proxied requests in flight before 429 (default 4096)")
     add("--max-in-flight-per-client", type=int, help="same, per client credential (default off)")
@@ -126,6 +178,13 @@ def _serve_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, drain in-flight requests this long, then exit 0 (default 10)",
     )
     return p  # fmt: skip
+
+
+def _choices(field: str) -> list[str]:
+    """A Literal setting's values: the flag offers exactly what the setting accepts."""
+    from gateway.config import Settings
+
+    return [str(v) for v in get_args(Settings.model_fields[field].annotation)]
 
 
 def _workers(text: str) -> int | str:
@@ -209,6 +268,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
         "serve": (serve, "run the gateway in front of N vLLM replicas"),
     }
+    if argv and argv[0] in ("-V", "--version"):
+        from gateway import __version__
+
+        print(f"rollout-gateway {__version__}")
+        return 0
     if argv and argv[0] in _MOVED:
         print(f"rollout-gateway {argv[0]}: moved to `{_MOVED[argv[0]]}` (the rollout-testbed "
               "package: pip install ./testbed, or make venv)", file=sys.stderr)  # fmt: skip
@@ -223,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {name:<{width}}  {text}", file=out)
         print("\nEvery serve flag also reads GATEWAY_<NAME> and the --config YAML file.", file=out)
         print("Simulated and local replicas, the demo: rollout-testbed --help.", file=out)
+        print("rollout-gateway --version prints the version.", file=out)
         return 0 if asked else 2
     run, _ = commands[argv[0]]
     return run(argv[1:])

@@ -4,17 +4,23 @@ Precedence (highest first): command-line flags, ``GATEWAY_*`` environment variab
 YAML config file (``--config`` / ``GATEWAY_CONFIG``), then the defaults below. Nothing else
 in the package reads ``os.environ``.
 
+A ``GATEWAY_*`` variable or YAML key that is no setting fails start, naming the closest
+known one: a typo'd ``GATEWAY_MAX_STALNESS`` would silently keep the default window.
+
 Secrets (``upstream_token``, ``api_key``, ``admin_key``) are ``SecretStr`` so they never
 show up in reprs, logs or ``/gateway/status``; each can also be read from a file
 (``--api-key-file``, ``GATEWAY_API_KEY_FILE``...), which is how Kubernetes and HF Jobs
-mount them. Replicas may carry their own token (YAML ``{url, token | token_file}``),
-which wins over ``upstream_token`` for that replica.
+mount them. One precedence for both forms: the highest layer naming a secret (as a value
+or as a file) wins, and lower layers' forms are dropped unread. Replicas may carry their
+own token (YAML ``{url, token | token_file}``), which wins over ``upstream_token``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -28,9 +34,30 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from gateway.routing.config import RoutingConfig
+
 __all__ = ["ReplicaSpec", "RunSpec", "Settings", "load_settings"]
 
 _SECRET_FIELDS = ("upstream_token", "api_key", "admin_key")
+_FILE_FORMS = tuple(f"{name}_file" for name in _SECRET_FIELDS)
+# GATEWAY_* names read by this repository's tooling (Makefile, tests/e2e, HF Jobs' trainer
+# entry), whose environment the gateway inherits; any other unknown GATEWAY_* is refused.
+_TOOLING_ENV = frozenset(("GATEWAY_VLLM_PYTHON", "GATEWAY_E2E_REPLICA_TIMEOUT",
+    "GATEWAY_E2E_REUSE_STATE", "GATEWAY_INSTALL", "GATEWAY_WAIT_S"))  # fmt: skip
+
+
+def _check_names(names: Iterable[str], known: Iterable[str], where: str) -> None:
+    """Refuse names that are no setting, each shown with the closest known one."""
+    choices = sorted(known)
+    if unknown := sorted(set(names) - set(choices)):
+        close = {n: difflib.get_close_matches(n, choices, n=1, cutoff=0.6) for n in unknown}
+        hints = [repr(n) + (f" (did you mean {c[0]!r}?)" if c else "") for n, c in close.items()]
+        raise ValueError(f"unknown {where}: {', '.join(hints)}; see docs/configuration.md")
+
+
+def _check_keys(value: Any, known: Iterable[str], where: str) -> None:
+    if isinstance(value, Mapping):
+        _check_names(map(str, value), known, where)
 
 
 def _read_secret_file(path: str | os.PathLike[str]) -> str:
@@ -51,6 +78,7 @@ class ReplicaSpec(BaseModel):
     def _coerce(cls, value: Any) -> Any:
         if isinstance(value, str):
             return {"url": value}
+        _check_keys(value, ("url", "token", "token_file"), "replica key")
         if isinstance(value, Mapping) and "token_file" in value:
             data = {k: v for k, v in value.items() if k != "token_file"}
             data.setdefault("token", _read_secret_file(value["token_file"]))
@@ -81,6 +109,7 @@ class RunSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _coerce(cls, value: Any) -> Any:
+        _check_keys(value, [*cls.model_fields, "key_file"], "run key")
         if isinstance(value, Mapping) and "key_file" in value:
             data = {k: v for k, v in value.items() if k != "key_file"}
             data.setdefault("key", _read_secret_file(value["key_file"]))
@@ -145,7 +174,7 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="stdlib logging level."
     )
-    router: str = Field(
+    router: Literal["prefix", "least_loaded", "round_robin", "random"] = Field(
         "prefix", description="Routing policy: prefix, least_loaded, round_robin or random."
     )
     routing: dict[str, Any] = Field(
@@ -294,28 +323,15 @@ class Settings(BaseSettings):
 
     @field_validator("routing", mode="before")
     @classmethod
-    def _parse_routing(cls, value: Any) -> Any:
-        return yaml.safe_load(value) if isinstance(value, str) else value
+    def _parse_routing(cls, value: Any) -> Any:  # keys checked now, not when routing starts
+        value = yaml.safe_load(value) if isinstance(value, str) else value
+        _check_keys(value, [f.name for f in dataclasses.fields(RoutingConfig)], "routing key")
+        return value
 
     @field_validator("adapter_roots", mode="before")
     @classmethod
     def _split_roots(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [p for p in value.split(os.pathsep) if p]
-        return value
-
-    @model_validator(mode="before")
-    @classmethod
-    def _read_secret_files(cls, data: Any) -> Any:
-        """``<secret>_file`` keys (flags, env, YAML) become the secret unless it is set."""
-        if not isinstance(data, Mapping):
-            return data
-        data = dict(data)
-        for name in _SECRET_FIELDS:
-            path = data.pop(f"{name}_file", None)
-            if path and not data.get(name):
-                data[name] = _read_secret_file(path)
-        return data
+        return [p for p in value.split(os.pathsep) if p] if isinstance(value, str) else value
 
     def token_for(self, index: int) -> SecretStr | None:
         """The bearer token for replica ``index``: its own, else the global one."""
@@ -323,13 +339,33 @@ class Settings(BaseSettings):
 
 
 def _env_values(environ: Mapping[str, str]) -> dict[str, str]:
-    """``GATEWAY_<FIELD>`` (and ``GATEWAY_<SECRET>_FILE``) values, as raw strings."""
-    names = [*Settings.model_fields, *(f"{name}_file" for name in _SECRET_FIELDS)]
+    """``GATEWAY_<FIELD>`` (and ``GATEWAY_<SECRET>_FILE``) values, as raw strings; an
+    unknown ``GATEWAY_*`` name is an error (its value is never echoed: it may be a secret)."""
+    names = [*Settings.model_fields, *_FILE_FORMS]
+    known = {f"GATEWAY_{name.upper()}" for name in names} | {"GATEWAY_CONFIG"}
+    given = [k for k in environ if k.startswith("GATEWAY_") and k not in _TOOLING_ENV]
+    _check_names(given, known, "environment variable")
     return {
         name: environ[f"GATEWAY_{name.upper()}"]
         for name in names
         if environ.get(f"GATEWAY_{name.upper()}")
     }
+
+
+def _pick_secrets(layers: Mapping[str, dict[str, Any]]) -> None:
+    """One precedence for ``<secret>`` and ``<secret>_file`` alike: the highest layer giving
+    either form wins (its file is read); lower layers' forms are dropped unread. Both forms
+    in one layer are ambiguous: an error."""
+    for name in _SECRET_FIELDS:
+        file_key, chosen = f"{name}_file", False
+        for where, layer in layers.items():
+            value, path = layer.pop(name, None), layer.pop(file_key, None)
+            if chosen or not (value or path):
+                continue
+            if value and path:
+                raise ValueError(f"{name} and {file_key} are both set by {where}; give one")
+            layer[name] = value or _read_secret_file(path)
+            chosen = True
 
 
 def load_settings(
@@ -343,6 +379,8 @@ def load_settings(
     ``environ`` defaults to ``os.environ``; tests pass their own mapping.
     """
     env = os.environ if environ is None else environ
+    flag_data = dict(overrides or {})
+    env_data: dict[str, Any] = dict(_env_values(env))
     path = config_file or env.get("GATEWAY_CONFIG")
     file_data: dict[str, Any] = {}
     if path:
@@ -350,7 +388,8 @@ def load_settings(
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {path} must hold a mapping")
         file_data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
-    env_data = _env_values(env)
+        _check_keys(file_data, [*Settings.model_fields, *_FILE_FORMS], f"setting in {path}")
+    _pick_secrets({"flags": flag_data, "the environment": env_data, "the config file": file_data})
 
     class _Sourced(Settings):
         @classmethod
@@ -363,12 +402,11 @@ def load_settings(
             file_secret_settings: PydanticBaseSettingsSource,
         ) -> tuple[PydanticBaseSettingsSource, ...]:
             # Explicit sources instead of pydantic-settings' own env reader, so tests can
-            # pass an environment and a secret *_file at a lower layer never shadows a
-            # secret given at a higher one.
+            # pass an environment; secrets were settled across layers by _pick_secrets.
             return (
                 init_settings,
                 InitSettingsSource(settings_cls, env_data),
                 InitSettingsSource(settings_cls, file_data),
             )
 
-    return _Sourced(**dict(overrides or {}))
+    return _Sourced(**flag_data)

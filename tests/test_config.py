@@ -1,9 +1,11 @@
 from pathlib import Path
+from typing import Any, get_args
 
 import pytest
 from pydantic import ValidationError
 
-from gateway.config import load_settings
+from gateway.config import Settings, load_settings
+from gateway.routing.policy import ROUTERS
 
 
 def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
@@ -76,3 +78,160 @@ def test_invalid_settings_are_rejected(overrides: dict[str, object], field: str)
     with pytest.raises(ValidationError) as info:
         load_settings(overrides, environ={})
     assert field in str(info.value)
+
+
+# --- mistakes fail at start, naming the closest setting -----------------------------------
+
+
+def test_unknown_env_variable_names_the_closest_and_hides_its_value() -> None:
+    env = {"GATEWAY_MAX_STALNESS": "sk-TESTSECRET-value", "GATEWAY_REPLICAS": "http://a:1"}
+    with pytest.raises(ValueError) as info:
+        load_settings({}, environ=env)
+    message = str(info.value)
+    assert "'GATEWAY_MAX_STALNESS' (did you mean 'GATEWAY_MAX_STALENESS'?)" in message
+    assert "sk-TESTSECRET-value" not in message
+
+
+def test_every_unknown_env_variable_is_named_at_once() -> None:
+    env = {"GATEWAY_PROT": "1", "GATEWAY_ZZZZZZZZ": "1", "GATEWAY_API_KEY_FLIE": "/x"}
+    with pytest.raises(ValueError) as info:
+        load_settings({}, environ=env)
+    message = str(info.value)
+    assert "'GATEWAY_PROT' (did you mean 'GATEWAY_PORT'?)" in message
+    assert "'GATEWAY_API_KEY_FLIE' (did you mean 'GATEWAY_API_KEY_FILE'?)" in message
+    assert "'GATEWAY_ZZZZZZZZ'" in message and "'GATEWAY_ZZZZZZZZ' (did" not in message
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["GATEWAY_VLLM_PYTHON", "GATEWAY_E2E_REPLICA_TIMEOUT", "GATEWAY_INSTALL", "GATEWAY_WAIT_S"],
+)
+def test_tooling_variables_are_not_settings_and_not_errors(name: str) -> None:
+    assert load_settings({}, environ={name: "x", "GATEWAY_PORT": "7"}).port == 7
+
+
+def test_other_prefixes_and_lowercase_are_left_alone() -> None:
+    env = {"ROLLOUT_GATEWAY_CACHE": "/c", "gateway_prot": "1", "MY_GATEWAY_X": "1"}
+    assert load_settings({}, environ=env).port == 8000
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "expected"),
+    [
+        ("max_stalness: 2\n", "'max_stalness' (did you mean 'max_staleness'?)"),
+        ("max-stalness: 2\n", "'max_stalness' (did you mean 'max_staleness'?)"),
+        ("api_key_flie: /x\n", "'api_key_flie' (did you mean 'api_key_file'?)"),
+        ("config: other.yaml\n", "'config'"),
+    ],
+)
+def test_unknown_yaml_key_names_the_closest(tmp_path: Path, yaml_text: str, expected: str) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(yaml_text)
+    with pytest.raises(ValueError) as info:
+        load_settings({}, config_file=cfg, environ={})
+    assert expected in str(info.value) and str(cfg) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ({"config": "routing: {blok_size: 32}\n"}, "'blok_size' (did you mean 'block_size'?)"),
+        ({"env": {"GATEWAY_ROUTING": '{"load_epsilom": 0.2}'}}, "did you mean 'load_epsilon'"),
+        ({"config": "replicas: [{url: 'http://a:1', tokn: x}]\n"}, "did you mean 'token'"),
+        (
+            {"config": "runs: [{name: a, key: k, adapter_roots: /x}]\n"},
+            "did you mean 'adapter_root'",
+        ),
+    ],
+)
+def test_unknown_nested_keys_name_the_closest(
+    tmp_path: Path, source: dict[str, Any], expected: str
+) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(source.get("config", ""))
+    with pytest.raises(ValidationError) as info:
+        load_settings({}, config_file=cfg, environ=source.get("env", {}))
+    assert expected in str(info.value)
+
+
+def test_known_routing_keys_pass() -> None:
+    s = load_settings({}, environ={"GATEWAY_ROUTING": '{"block_size": 32, "load_epsilon": 0.2}'})
+    assert s.routing == {"block_size": 32, "load_epsilon": 0.2}
+
+
+def test_router_takes_only_the_policies_that_exist() -> None:
+    assert set(get_args(Settings.model_fields["router"].annotation)) == set(ROUTERS)
+    with pytest.raises(ValidationError) as info:
+        load_settings({}, environ={"GATEWAY_ROUTER": "prefx"})
+    assert "router" in str(info.value)
+    assert load_settings({}, environ={"GATEWAY_ROUTER": "round_robin"}).router == "round_robin"
+
+
+# --- one precedence for secrets, values and files alike -----------------------------------
+
+LAYERS = ("flag", "env", "file")
+
+
+def _layered(tmp_path: Path, given: dict[str, tuple[str, str]]) -> Settings:
+    """``given``: layer -> (form, secret); form "value" or "file"."""
+    flags: dict[str, Any] = {}
+    env: dict[str, str] = {}
+    yaml_lines = []
+    for layer, (form, secret) in given.items():
+        if form == "file":
+            path = tmp_path / f"{layer}.key"
+            path.write_text(secret + "\n")
+            key, value = "api_key_file", str(path)
+        else:
+            key, value = "api_key", secret
+        if layer == "flag":
+            flags[key] = value
+        elif layer == "env":
+            env[f"GATEWAY_{key.upper()}"] = value
+        else:
+            yaml_lines.append(f"{key}: {value!r}")
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("\n".join(yaml_lines) + "\n")
+    return load_settings(flags, config_file=cfg, environ=env)
+
+
+@pytest.mark.parametrize("high", LAYERS[:2])
+@pytest.mark.parametrize("high_form", ["value", "file"])
+@pytest.mark.parametrize("low_form", ["value", "file"])
+def test_the_higher_layer_wins_whatever_the_forms(
+    tmp_path: Path, high: str, high_form: str, low_form: str
+) -> None:
+    for low in LAYERS[LAYERS.index(high) + 1 :]:
+        s = _layered(tmp_path, {high: (high_form, f"from-{high}"), low: (low_form, f"from-{low}")})
+        assert s.api_key is not None and s.api_key.get_secret_value() == f"from-{high}", (
+            high, high_form, low, low_form,
+        )  # fmt: skip
+
+
+def test_inline_yaml_key_does_not_beat_the_env_key_file(tmp_path: Path) -> None:
+    """The issue's case: an inline ``api_key`` in YAML used to win over GATEWAY_API_KEY_FILE."""
+    s = _layered(tmp_path, {"env": ("file", "from-env-file"), "file": ("value", "inline")})
+    assert s.api_key is not None and s.api_key.get_secret_value() == "from-env-file"
+
+
+def test_a_shadowed_secret_file_is_never_read(tmp_path: Path) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"api_key_file: {tmp_path / 'missing'}\nadmin_key_file: /nonexistent\n")
+    s = load_settings(
+        {"admin_key": "flag-admin"}, config_file=cfg, environ={"GATEWAY_API_KEY": "env-key"}
+    )
+    assert s.api_key is not None and s.api_key.get_secret_value() == "env-key"
+    assert s.admin_key is not None and s.admin_key.get_secret_value() == "flag-admin"
+
+
+def test_both_forms_in_one_layer_is_an_error(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("k")
+    with pytest.raises(ValueError, match="api_key and api_key_file are both set by the env"):
+        load_settings({}, environ={"GATEWAY_API_KEY": "k", "GATEWAY_API_KEY_FILE": str(key)})
+
+
+def test_a_missing_winning_secret_file_fails_naming_the_path(tmp_path: Path) -> None:
+    with pytest.raises(OSError) as info:
+        load_settings({}, environ={"GATEWAY_UPSTREAM_TOKEN_FILE": str(tmp_path / "nope")})
+    assert str(tmp_path / "nope") in str(info.value)
