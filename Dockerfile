@@ -66,9 +66,11 @@ USER 10001:10001
 EXPOSE 8000
 # Liveness of the process, not readiness of the fleet: /metrics answers whenever the
 # gateway's event loop does, while /health is 503 until every replica is up, and a sidecar
-# must not be restarted because a replica is down (Kubernetes probes: deploy/k8s).
+# must not be restarted because a replica is down (Kubernetes probes: deploy/k8s). It
+# probes the address PID 1 (or its workers) actually listens on, read from /proc: the
+# port may come from a flag (container arguments), GATEWAY_PORT or the YAML file alike.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('GATEWAY_PORT', '8000') + '/metrics', timeout=2)"]
+    CMD ["python", "-I", "-m", "gateway.http.liveness"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["rollout-gateway", "serve"]
 CMD []

@@ -154,7 +154,8 @@ def test_entrypoint_serves_a_replica_outside_a_container(runtime: Stage, tmp_pat
             assert out.status_code == 200, out.text
             health = runtime.last("HEALTHCHECK") or ""
             assert health.startswith("--") and " CMD " in health
-            probe = exec_form(health.split(" CMD ", 1)[1])
+            # Outside a container PID 1 is not the gateway: name its process instead.
+            probe = [*exec_form(health.split(" CMD ", 1)[1]), "--pid", str(proc.pid)]
             res = subprocess.run(probe, env=env, timeout=10, check=False)
             assert res.returncode == 0, "HEALTHCHECK command failed against a healthy gateway"
             proc.terminate()
@@ -167,6 +168,46 @@ def test_entrypoint_serves_a_replica_outside_a_container(runtime: Stage, tmp_pat
     # The healthcheck fails once nothing listens.
     res = subprocess.run(probe, env=env, timeout=10, check=False, capture_output=True)
     assert res.returncode != 0
+
+
+def _healthcheck(runtime: Stage) -> list[str]:
+    health = runtime.last("HEALTHCHECK") or ""
+    return exec_form(health.split(" CMD ", 1)[1])
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "yaml", "workers"])
+def test_healthcheck_probes_the_port_however_it_was_set(
+    runtime: Stage, tmp_path: Path, how: str
+) -> None:
+    """The image's HEALTHCHECK, verbatim, against the ENTRYPOINT with the port set by
+    container arguments (a flag), by GATEWAY_PORT, or by the YAML file, while the image's
+    GATEWAY_PORT=8000 stays in the environment (``workers``: two data-plane processes,
+    whose listening sockets are children's). Its probe follows the listening socket."""
+    argv = exec_form(runtime.last("ENTRYPOINT") or "[]")
+    image_env = env_of(runtime)
+    image_env.pop("PATH")
+    port = free_port()
+    with sim_replica() as replica:
+        env = base_env(image_env)
+        env.update(GATEWAY_REPLICAS=replica, GATEWAY_HOST="127.0.0.1")
+        if how in ("flag", "workers"):
+            argv = [*argv, "--port", str(port)]
+        if how == "workers":
+            argv += ["--workers", "2"]
+        if how == "env":
+            env["GATEWAY_PORT"] = str(port)
+        if how == "yaml":
+            cfg = tmp_path / "gw.yaml"
+            cfg.write_text(f"port: {port}\n")
+            env.pop("GATEWAY_PORT")  # the YAML file is below the environment
+            env["GATEWAY_CONFIG"] = str(cfg)
+        with process(argv, env=env, log=tmp_path / "gw.log") as proc:
+            wait_http(f"http://127.0.0.1:{port}/health", timeout=30)
+            probe = [*_healthcheck(runtime), "--pid", str(proc.pid)]
+            res = subprocess.run(probe, env=env, timeout=10, check=False, capture_output=True)
+            assert res.returncode == 0, res.stderr
+        res = subprocess.run(probe, env=env, timeout=10, check=False, capture_output=True)
+        assert res.returncode != 0 and b"listen on no TCP port" in res.stderr
 
 
 def test_parser_handles_continuations() -> None:
