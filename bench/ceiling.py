@@ -8,7 +8,7 @@ core) and, non-streaming only, ``passthrough``: the smallest proxy on uvicorn + 
 (``_passthrough`` below), where the gateway stood before its own client and server
 protocol. All sit in front of the SAME two instant
 upstreams, which this script runs itself (``_upstream`` below): a non-streaming request gets
-``bench/instant_upstream.py``'s canned ~0.9 KB completion; a request with ``"stream": true``
+``bench.lib.upstream``'s canned ~0.9 KB completion; a request with ``"stream": true``
 gets 16 vLLM-shaped SSE token events and ``data: [DONE]``, each event its own HTTP chunk and
 its own ``write()``. (The FastAPI sim replica was measured at ~800 req/s on this machine, far
 below the fronts, so it cannot serve as the upstream here.)
@@ -16,7 +16,7 @@ below the fronts, so it cannot serve as the upstream here.)
 Per mode (non-streaming, streaming):
 
 * **closed loop**, 64 in flight for ``--closed-seconds``: reference req/s per front;
-* **ladder**: open-loop paced load (``bench.loadgen.run_paced``, 64 connections, latency
+* **ladder**: open-loop paced load (``bench.lib.load.run_paced``, 64 connections, latency
   from the *scheduled* send, so no coordinated omission) at each offered rate of
   ``--rates`` (streaming: ``--stream-rates``, finer and lower); each rate is run ``--reps``
   times interleaved across fronts (ABC BCA CAB) and the medians decide. A front *sustains*
@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import re
 import select
@@ -63,30 +62,31 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # run as a script this is already the case
-    sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # run by path: bench.lib
 
-import instant_upstream  # noqa: E402
-import loadgen  # noqa: E402
-import overhead  # noqa: E402
-from overhead import (  # noqa: E402
-    BIN,
-    PY,
-    Fleet,
-    cpu_ns,
-    med,
-    start_vllm_router,
-)
-from rollout_testbed.procs import free_port, wait_http  # noqa: E402
+from bench.lib import cpu, load  # noqa: E402
+from bench.lib.fronts import BIN, CLIENT_CPU, FRONT_CPU, PY, Fleet, Front, pin, split_cores  # noqa: E402
+from bench.lib.report import fmt_load, loadavg, machine_info, write  # noqa: E402
+from bench.lib.rounds import Budget, med, rotated  # noqa: E402
+from bench.lib.upstream import STREAM_TOKENS, serve_forever  # noqa: E402
 
 CONNECTIONS = 64
-STREAM_TOKENS = 16
+PACKAGES = (
+    "rollout-gateway",
+    "uvicorn",
+    "uvloop",
+    "httptools",
+    "aiohttp",
+    "orjson",
+    "vllm-router",
+    "py-spy",
+)
 MODES = ("non-streaming", "streaming")
 FRONTS = ("direct", "passthrough", "floor", "gateway", "vllm-router")
 PASSTHROUGH_MODES = ("non-streaming",)  # the floor matters for the 3,000 req/s target
@@ -97,101 +97,6 @@ ADDED_P99_LIMIT_MS = 10.0
 MIN_ACHIEVED = 0.97
 MAX_LATE = 0.01
 TARGET_RPS = 3000.0
-# Synthetic client-side statuses (count as errors in loadgen.summarize).
-STATUS_NOT_A_STREAM = 597  # 200, but not text/event-stream
-STATUS_BROKEN_STREAM = 598  # stream without all token events or without [DONE]
-
-# ---------------------------------------------------------------------------------------------
-# The instant upstream (non-streaming and streaming), run as `ceiling.py _upstream --port P`.
-
-
-def _sse_chunks() -> list[bytes]:
-    """One streaming response as separate writes: headers + event 1, events 2..16, [DONE]."""
-    import orjson
-
-    events = []
-    for i in range(STREAM_TOKENS):
-        last = i == STREAM_TOKENS - 1
-        event = {
-            "id": "cmpl-bench",
-            "object": "text_completion",
-            "created": 0,
-            "model": "tiny-base",
-            "choices": [
-                {
-                    "index": 0,
-                    "text": " tok",
-                    "logprobs": None,
-                    "finish_reason": "length" if last else None,
-                    "stop_reason": None,
-                    "token_ids": [1000 + i],
-                }
-            ],
-        }
-        events.append(b"data: " + orjson.dumps(event) + b"\n\n")
-    events.append(b"data: [DONE]\n\n")
-    chunks = [f"{len(e):x}\r\n".encode() + e + b"\r\n" for e in events]
-    head = (
-        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-        b"transfer-encoding: chunked\r\n\r\n"
-    )
-    chunks[0] = head + chunks[0]
-    chunks[-1] += b"0\r\n\r\n"
-    return chunks
-
-
-_STREAM_FLAG = re.compile(rb'"stream"\s*:\s*true')
-
-
-class _Upstream(asyncio.Protocol):
-    """Answers in order: GET /health -> 200, a body with ``"stream": true`` -> SSE, else the
-    canned completion JSON of ``instant_upstream`` (byte-identical to overhead.py's)."""
-
-    stream_chunks: list[bytes] = []
-
-    def __init__(self) -> None:
-        self.buf = b""
-        self.transport: asyncio.WriteTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        assert self.transport is not None
-        while (request := instant_upstream.next_request(self.buf)) is not None:
-            head, body, self.buf = request
-            if head.startswith(b"get /health"):
-                self.transport.write(instant_upstream._HEALTH)
-            elif _STREAM_FLAG.search(body):
-                for chunk in self.stream_chunks:  # one write per SSE event, like a token flush
-                    self.transport.write(chunk)
-            else:
-                self.transport.write(instant_upstream._RESPONSE)
-
-
-def upstream_main(argv: list[str]) -> int:
-    import uvloop
-
-    parser = argparse.ArgumentParser(prog="ceiling.py _upstream")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--stream-writes", choices=("event", "one"), default="event")
-    args = parser.parse_args(argv)
-    chunks = _sse_chunks()
-    _Upstream.stream_chunks = chunks if args.stream_writes == "event" else [b"".join(chunks)]
-
-    uvloop.run(_serve_forever(_Upstream, args.port))
-    return 0
-
-
-async def _serve_forever(factory: Callable[[], asyncio.Protocol], port: int) -> None:
-    """A protocol server on 127.0.0.1:``port`` until the process is stopped."""
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(factory, "127.0.0.1", port, backlog=2048)
-    async with server:
-        await server.serve_forever()
-
-
 # ---------------------------------------------------------------------------------------------
 # The stack's floor, run as `ceiling.py _passthrough --port P --replica U ...`: the smallest
 # proxy on the gateway's own stack (uvicorn + uvloop + httptools, raw ASGI, one aiohttp
@@ -350,153 +255,9 @@ def floor_main(argv: list[str]) -> int:
         parts = [urlsplit(u) for u in args.replica]
         _FloorConn.pools = [H1Pool(i, p.hostname or "", p.port or 80) for i, p in enumerate(parts)]
         _FloorConn.turn = itertools.cycle(range(len(parts)))
-        await _serve_forever(_FloorConn, args.port)
+        await serve_forever(_FloorConn, args.port)
 
     uvloop.run(serve())
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# The load client, run as `ceiling.py _client ...` (one process per point, pinned to CPU 0).
-
-
-def _dechunk(data: bytes) -> bytes | None:
-    """The body of a complete chunked message (``data`` = everything after the headers)."""
-    out: list[bytes] = []
-    pos = 0
-    while True:
-        line_end = data.find(b"\r\n", pos)
-        if line_end < 0:
-            return None
-        size = int(data[pos:line_end].split(b";", 1)[0], 16)
-        if size == 0:
-            return b"".join(out)
-        out.append(data[line_end + 2 : line_end + 2 + size])
-        pos = line_end + 2 + size + 2
-
-
-def _stream_checking(
-    parse: Callable[[bytearray], tuple[int, int] | None],
-) -> Callable[[bytearray], tuple[int, int] | None]:
-    """Wrap loadgen's framing parser: a 200 must be a complete SSE stream ending in [DONE]."""
-
-    def checked(buf: bytearray) -> tuple[int, int] | None:
-        # One request in flight per connection: a chunked response is complete only when
-        # the buffer ends with the last chunk, so skip the full walk on every partial read.
-        if not buf.endswith(b"\r\n0\r\n\r\n"):
-            end = buf.find(b"\r\n\r\n")
-            if end >= 0 and b"chunked" in bytes(buf[:end]).lower():
-                return None
-        parsed = parse(buf)
-        if parsed is None or parsed[0] != 200:
-            return parsed
-        status, consumed = parsed
-        end = buf.find(b"\r\n\r\n")
-        head = bytes(buf[:end]).lower()
-        if b"text/event-stream" not in head:
-            return STATUS_NOT_A_STREAM, consumed
-        raw = bytes(buf[end + 4 : consumed])
-        body = _dechunk(raw) if b"chunked" in head else raw
-        if (
-            body is None
-            or not body.endswith(b"data: [DONE]\n\n")
-            or body.count(b"data: {") != STREAM_TOKENS
-        ):
-            return STATUS_BROKEN_STREAM, consumed
-        return status, consumed
-
-    return checked
-
-
-def stream_bodies() -> list[bytes]:
-    """loadgen's TRL-shaped bodies with ``"stream": true``."""
-    out = []
-    for body in loadgen.make_bodies():
-        payload = json.loads(body)
-        payload["stream"] = True
-        out.append(json.dumps(payload, separators=(",", ":")).encode())
-    return out
-
-
-def _user_sys_s(pid: int) -> tuple[float, float]:
-    """utime, stime of ``pid`` in seconds (``/proc/PID/stat`` fields 14, 15)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
-
-
-def client_main(argv: list[str]) -> int:
-    import uvloop
-
-    parser = argparse.ArgumentParser(prog="ceiling.py _client")
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--stream", action="store_true")
-    parser.add_argument("--rate", type=float, default=0.0, help="0 = closed loop")
-    parser.add_argument("--requests", type=int, required=True)
-    parser.add_argument("--warmup", type=int, default=0, help="closed-loop requests first")
-    parser.add_argument("--max-seconds", type=float, required=True)
-    parser.add_argument("--cpu-pid", type=int, default=0, help="report this PID's CPU use")
-    parser.add_argument("--announce", action="store_true", help="print 'started' to stderr")
-    args = parser.parse_args(argv)
-    bodies = stream_bodies() if args.stream else loadgen.make_bodies()
-    if args.stream:
-        # loadgen looks its parser up at call time: this is the one hook it offers.
-        loadgen._parse_response = _stream_checking(loadgen._parse_response)  # type: ignore[assignment]
-
-    async def go() -> dict[str, Any]:
-        if args.warmup:
-            await loadgen.run_load(
-                args.url,
-                concurrency=CONNECTIONS,
-                requests=args.warmup,
-                max_seconds=args.max_seconds,
-                bodies=bodies,
-            )
-        cpu0, t0 = cpu_ns(args.cpu_pid) if args.cpu_pid else 0, time.perf_counter()
-        split0 = _user_sys_s(args.cpu_pid) if args.cpu_pid else (0.0, 0.0)
-        own0 = time.process_time()
-        if args.announce:
-            print("started", file=sys.stderr, flush=True)
-        if args.rate:
-            result = await loadgen.run_paced(
-                args.url,
-                rate=args.rate,
-                concurrency=CONNECTIONS,
-                requests=args.requests,
-                max_seconds=args.max_seconds,
-                bodies=bodies,
-            )
-        else:
-            result = await loadgen.run_load(
-                args.url,
-                concurrency=CONNECTIONS,
-                requests=args.requests,
-                max_seconds=args.max_seconds,
-                bodies=bodies,
-            )
-        wall = time.perf_counter() - t0
-        own = time.process_time() - own0
-        out = loadgen.summarize(result)
-        done = len(result.latencies_s) + result.transport_errors
-        # The client's own cost: it shares CPU 0 with both upstreams (harness headroom).
-        out["client_cpu_us_per_req"] = round(own * 1e6 / max(1, done), 1)
-        if args.cpu_pid:
-            used = cpu_ns(args.cpu_pid) - cpu0
-            served = done + result.primed
-            # Window = the whole run incl. connect + priming (~0.1 s): util reads slightly low.
-            out["front_cpu_util"] = round(used / 1e9 / wall, 3)
-            out["front_cpu_us_per_req"] = round(used / 1000 / max(1, served), 1)
-            # Where it went: user space (the front's own code) or the kernel (syscalls,
-            # loopback TCP). Clock ticks (10 ms): meaningful over whole runs only.
-            split = _user_sys_s(args.cpu_pid)
-            for i, key in enumerate(("front_user_us_per_req", "front_sys_us_per_req")):
-                out[key] = round((split[i] - split0[i]) * 1e6 / max(1, served), 1)
-        return out
-
-    out = uvloop.run(go())
-    out.update(stream=args.stream, rate=args.rate, url=args.url)
-    sys.stdout.write(json.dumps(out) + "\n")
     return 0
 
 
@@ -504,50 +265,28 @@ def client_main(argv: list[str]) -> int:
 # Orchestration.
 
 
-def _script(role: str, *args: str) -> list[str]:
-    return [PY, str(Path(__file__).resolve()), role, *args]
-
-
 def run_client(
     fleet: Fleet,
-    url: str,
+    front: Front,
     *,
     stream: bool,
     rate: float,
     requests: int,
     max_seconds: float,
-    pid: int,
     warmup: int = 0,
 ) -> dict[str, Any]:
-    argv = _script(
-        "_client",
-        "--url",
-        url,
-        "--rate",
-        f"{rate:g}",
-        "--requests",
-        str(requests),
-        "--max-seconds",
-        f"{max_seconds:g}",
-        "--cpu-pid",
-        str(pid),
-        "--warmup",
-        str(warmup),
+    """One point: ``bench.lib.load`` on the client CPU against ``front``, with its CPU."""
+    return load.run_client(
+        front.url,
+        fleet.cpus("client"),
+        concurrency=CONNECTIONS,
+        stream=stream,
+        rate=rate,
+        requests=requests,
+        max_seconds=max_seconds,
+        warmup=warmup,
+        cpu_pid=front.pid,
     )
-    if stream:
-        argv.append("--stream")
-    out = subprocess.run(
-        argv,
-        capture_output=True,
-        timeout=2 * max_seconds + 30,
-        preexec_fn=overhead._affinity(fleet.cpus("client")),
-        check=False,
-    )
-    try:
-        result: dict[str, Any] = json.loads(out.stdout.decode().strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError) as exc:
-        raise RuntimeError(f"client failed: {out.stderr.decode()[-2000:]}") from exc
-    return result
 
 
 @contextlib.contextmanager
@@ -560,80 +299,33 @@ def fleet_up(
     stream_writes: str = "event",
     gateway_router: str | None = None,
     router_policy: str = "round_robin",
-) -> Iterator[tuple[Fleet, dict[str, str], dict[str, int]]]:
-    """Two upstreams, the gateway and vllm-router (same flags as ``bench/overhead.py``) and
-    the minimal pass-through; every front on the front core."""
-    fleet = Fleet(placement, log_dir)
-    try:
-        ups = []
-        for i in range(2):
-            port = free_port()
-            proc = fleet.start(
-                f"upstream{i + 1}",
-                _script("_upstream", "--port", str(port), "--stream-writes", stream_writes),
-                "client",
-            )
-            ups.append((f"http://127.0.0.1:{port}", proc))
-        for url, proc in ups:
-            wait_http(url + "/health", proc=proc, timeout=30)
-        up_urls = [u for u, _ in ups]
-        fronts = {"direct": up_urls[0]}
-        pids = {"direct": ups[0][1].popen.pid}
-
-        gw_port = free_port()
-        gw_argv = [str(BIN / "rollout-gateway"), "serve"]
-        for url in up_urls:
-            gw_argv += ["--replica", url]
-        gw_argv += ["--host", "127.0.0.1", "--port", str(gw_port), "--log-level", "WARNING"]
-        if gateway_router:
-            gw_argv += ["--router", gateway_router]
-        gw = fleet.start("gateway", gw_argv, "front")
-        fronts["gateway"] = f"http://127.0.0.1:{gw_port}"
-        pids["gateway"] = gw.popen.pid
-        passthrough = None
+) -> Iterator[tuple[Fleet, dict[str, Front]]]:
+    """Two upstreams, the gateway and vllm-router (same flags as ``bench/overhead.py``),
+    the floor and the minimal pass-through; every front on the front core, all ready."""
+    with Fleet(log_dir, split_cores(placement)) as fleet:
+        replicas = [up.url for up in fleet.upstreams(2, stream_writes=stream_writes)]
+        fronts = {"direct": Front("direct", replicas[0], fleet.procs[0])}
+        flags = ["--router", gateway_router] if gateway_router else []
+        fronts["gateway"] = fleet.gateway(replicas, flags=flags)
+        own = [PY, str(Path(__file__).resolve())]
+        to = [f"--replica={u}" for u in replicas]
         if with_passthrough:
-            pt_port = free_port()
-            pt_argv = ["_passthrough", "--port", str(pt_port)]
-            for url in up_urls:
-                pt_argv += ["--replica", url]
-            passthrough = fleet.start("passthrough", _script(*pt_argv), "front")
-            fronts["passthrough"] = f"http://127.0.0.1:{pt_port}"
-            pids["passthrough"] = passthrough.popen.pid
-
-        floor_port = free_port()
-        floor_argv = ["_floor", "--port", str(floor_port)]
-        for url in up_urls:
-            floor_argv += ["--replica", url]
-        floor = fleet.start("floor", _script(*floor_argv), "front")
-        fronts["floor"] = f"http://127.0.0.1:{floor_port}"
-        pids["floor"] = floor.popen.pid
-
-        router = None
-        started = start_vllm_router(fleet, up_urls, router_policy) if with_router else None
-        if started is not None:
-            router, fronts["vllm-router"] = started
-            pids["vllm-router"] = router.popen.pid
-        wait_http(fronts["gateway"] + "/health", proc=gw, timeout=30)
-        if passthrough is not None:
-            wait_http(fronts["passthrough"] + "/health", proc=passthrough, timeout=30)
-        wait_http(fronts["floor"] + "/health", proc=floor, timeout=30)
+            fronts["passthrough"] = fleet.serve("passthrough", [*own, "_passthrough", *to])
+        fronts["floor"] = fleet.serve("floor", [*own, "_floor", *to])
+        router = fleet.vllm_router(replicas, router_policy) if with_router else None
         if router is not None:
-            wait_http(fronts["vllm-router"] + "/health", proc=router, timeout=60)
-        yield fleet, fronts, pids
-    finally:
-        fleet.stop_all()
+            fronts["vllm-router"] = router
+        for front in fronts.values():
+            front.wait(timeout=60)
+        yield fleet, fronts
 
 
 @dataclass
-class Clock:
-    """Wall-clock budget: how long runs take, so a ladder never starts what cannot finish."""
+class Clock(Budget):
+    """The run's budget, and how long runs take beyond their load, so that a ladder never
+    starts what cannot finish."""
 
-    budget_s: float
-    t0: float = field(default_factory=time.monotonic)
     run_s: list[float] = field(default_factory=list)
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
 
     def per_run_overhead(self) -> float:
         return sum(self.run_s) / len(self.run_s) if self.run_s else 1.0  # mean: cautious
@@ -684,8 +376,7 @@ def summarize_point(runs: list[dict[str, Any]], direct: list[dict[str, Any]]) ->
 
 def ladder(
     fleet: Fleet,
-    fronts: dict[str, str],
-    pids: dict[str, int],
+    fronts: dict[str, Front],
     *,
     stream: bool,
     rates: list[float],
@@ -715,8 +406,7 @@ def ladder(
         key = f"{rate:g}"
         runs[key] = {f: [] for f in active}
         for rep in range(reps):
-            turn = active[rep % len(active) :] + active[: rep % len(active)]
-            for front in turn:
+            for front in rotated(active, rep):
                 t = time.monotonic()
                 res = run_client(
                     fleet,
@@ -725,7 +415,6 @@ def ladder(
                     rate=rate,
                     requests=n,
                     max_seconds=3 * n / rate + 5,
-                    pid=pids[front],
                 )
                 clock.run_s.append(time.monotonic() - t - n / rate)
                 res["rep"] = rep + 1
@@ -769,8 +458,7 @@ def ladder(
 
 def closed_loop(
     fleet: Fleet,
-    fronts: dict[str, str],
-    pids: dict[str, int],
+    fronts: dict[str, Front],
     *,
     stream: bool,
     reps: int,
@@ -780,7 +468,7 @@ def closed_loop(
     order = [f for f in FRONTS if f in fronts]
     runs: dict[str, list[dict[str, Any]]] = {f: [] for f in order}
     for rep in range(reps):
-        for front in order[rep % len(order) :] + order[: rep % len(order)]:
+        for front in rotated(order, rep):
             res = run_client(
                 fleet,
                 fronts[front],
@@ -788,7 +476,6 @@ def closed_loop(
                 rate=0,
                 requests=1_000_000,
                 max_seconds=seconds,
-                pid=pids[front],
                 warmup=500,
             )
             runs[front].append(res)
@@ -913,8 +600,7 @@ def summarize_raw(raw: str, top: int = 5) -> dict[str, Any]:
 
 def profile_gateway(
     fleet: Fleet,
-    url: str,
-    pid: int,
+    gateway: Front,
     rate: float,
     *,
     seconds: float,
@@ -928,25 +614,16 @@ def profile_gateway(
         return {"error": "py-spy not installed (uv pip install py-spy)"}
     total_s = 2 * seconds + 8
     n = int(rate * total_s)
-    pin = overhead._affinity(fleet.cpus("client"))
-    client = subprocess.Popen(
-        _script(
-            "_client",
-            "--url",
-            url,
-            "--rate",
-            f"{rate:g}",
-            "--requests",
-            str(n),
-            "--max-seconds",
-            f"{total_s + 10:g}",
-            "--cpu-pid",
-            str(pid),
-            "--announce",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        preexec_fn=pin,
+    pid, on_client = gateway.pid, pin(fleet.cpus("client"))
+    client = load.spawn_client(
+        gateway.url,
+        fleet.cpus("client"),
+        concurrency=CONNECTIONS,
+        rate=rate,
+        requests=n,
+        max_seconds=total_s + 10,
+        cpu_pid=pid,
+        announce=True,
     )
     raw_path = out_svg.with_suffix(".raw.txt")  # the stacks behind ceiling.md's summary
     info: dict[str, Any] = {"rate": rate, "seconds": seconds, "sample_rate_hz": 200}
@@ -965,32 +642,27 @@ def profile_gateway(
         if not started:
             info["error"] = "the load client did not start within 15 s"
             return info
-        cpu0, t0 = cpu_ns(pid), time.monotonic()
+        cpu0, t0 = cpu.tree_oncpu_ns(pid), time.monotonic()
         common = ["record", "--pid", str(pid), "--rate", "200", "--duration", f"{seconds:g}"]
         for fmt, path in (("flamegraph", out_svg), ("raw", raw_path)):
             spy_out = subprocess.run(
                 [str(spy), *common, "--format", fmt, "-o", str(path)],
                 capture_output=True,
                 timeout=seconds + 30,
-                preexec_fn=pin,
+                preexec_fn=on_client,
                 check=False,
             )
             if spy_out.returncode != 0:
                 info["error"] = spy_out.stderr.decode()[-1000:]
                 return info
         info["gateway_cpu_util_during_profile"] = round(
-            (cpu_ns(pid) - cpu0) / 1e9 / (time.monotonic() - t0), 3
+            (cpu.tree_oncpu_ns(pid) - cpu0) / 1e9 / (time.monotonic() - t0), 3
         )
     finally:
         if "error" in info:
             client.kill()  # this PID only
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            stdout, _ = client.communicate(timeout=total_s + 30)
-            with contextlib.suppress(IndexError, json.JSONDecodeError):
-                info["load"] = json.loads(stdout.decode().strip().splitlines()[-1])
-        if client.poll() is None:
-            client.kill()
-            client.wait(timeout=5)
+        with contextlib.suppress(RuntimeError):
+            info["load"] = load.collect(client, total_s + 30)
     info.update(summarize_raw(raw_path.read_text()))
     info["raw_stacks"] = raw_path.name
     return info
@@ -1021,8 +693,8 @@ def render(report: dict[str, Any]) -> str:
         f"streaming = {STREAM_TOKENS} SSE token events + `[DONE]` (upstream writes: "
         f"{cfg['stream_writes']}), complete at `[DONE]`. "
         f"nproc={machine['nproc']}, placement: {cfg['placement_detail']}. Load average at "
-        f"start {overhead.fmt_load(machine['loadavg_at_start'])}, at end "
-        f"{overhead.fmt_load(cfg['loadavg_at_end'])}; {cfg['elapsed_s']:.0f} s in all.",
+        f"start {fmt_load(machine['loadavg_at_start'])}, at end "
+        f"{fmt_load(cfg['loadavg_at_end'])}; {cfg['elapsed_s']:.0f} s in all.",
         "",
     ]
     if cfg.get("note"):
@@ -1295,10 +967,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_upstream"]:
-        return upstream_main(argv[1:])
-    if argv[:1] == ["_client"]:
-        return client_main(argv[1:])
     if argv[:1] == ["_passthrough"]:
         return passthrough_main(argv[1:])
     if argv[:1] == ["_floor"]:
@@ -1357,8 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown modes {sorted(unknown)}")
 
     clock = Clock(args.budget_s)
-    info = overhead.machine_info(args.placement)
-    info["packages"]["py-spy"] = overhead._version("py-spy")  # type: ignore[index]
+    info = machine_info(PACKAGES, placement=args.placement)
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"ceiling-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
     profile_reserve = 2 * args.profile_seconds + 25 if args.profile_seconds else 0.0
@@ -1373,9 +1040,9 @@ def main(argv: list[str] | None = None) -> int:
         "gateway_router": args.gateway_router,
         "router_policy": args.router_policy,
     }
-    with fleet_up(args.placement, log_dir, **fleet_kw) as (fleet, all_fronts, pids):
+    with fleet_up(args.placement, log_dir, **fleet_kw) as (fleet, all_fronts):
 
-        def fronts_for(mode: str) -> dict[str, str]:
+        def fronts_for(mode: str) -> dict[str, Front]:
             return {
                 f: u
                 for f, u in all_fronts.items()
@@ -1383,21 +1050,19 @@ def main(argv: list[str] | None = None) -> int:
             }
 
         for mode in modes:  # warm-up: connections, pools, allocators
-            for front, url in fronts_for(mode).items():
+            for front in fronts_for(mode).values():
                 run_client(
                     fleet,
-                    url,
+                    front,
                     stream=mode == MODES[1],
                     rate=0,
                     requests=2000,
                     max_seconds=10,
-                    pid=pids[front],
                 )
         closed = {
             mode: closed_loop(
                 fleet,
                 fronts_for(mode),
-                pids,
                 stream=mode == MODES[1],
                 reps=args.reps,
                 seconds=args.closed_seconds,
@@ -1412,7 +1077,6 @@ def main(argv: list[str] | None = None) -> int:
             lad = ladder(
                 fleet,
                 fronts_for(mode),
-                pids,
                 stream=mode == MODES[1],
                 rates=ladders[mode],
                 reps=args.reps,
@@ -1427,12 +1091,11 @@ def main(argv: list[str] | None = None) -> int:
             profile = profile_gateway(
                 fleet,
                 all_fronts["gateway"],
-                pids["gateway"],
                 ceiling or ladders[MODES[0]][0],
                 seconds=args.profile_seconds,
                 out_svg=out_svg,
             )
-    load_end = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load_end = loadavg()
     report: dict[str, Any] = {
         "machine": info,
         "config": {
@@ -1455,8 +1118,8 @@ def main(argv: list[str] | None = None) -> int:
             },
             "placement": args.placement,
             "placement_detail": (
-                f"front alone on CPU {overhead.FRONT_CPU}; client, both upstreams and py-spy "
-                f"on CPU {overhead.CLIENT_CPU}"
+                f"front alone on CPU {FRONT_CPU}; client, both upstreams and py-spy "
+                f"on CPU {CLIENT_CPU}"
                 if args.placement == "split"
                 else "unpinned"
             ),
@@ -1473,10 +1136,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(report)
     print(text)
     if not args.no_write:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / "ceiling.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out_dir / "ceiling.md").write_text(text)
-        plot(report, args.out_dir / "ceiling.png")
+        write(args.out_dir, "ceiling", report, text, plot)
     else:
         plot(report, log_dir / "ceiling.png")
         print(f"(--no-write: plot and profile in {log_dir})", file=sys.stderr)

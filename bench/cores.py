@@ -3,18 +3,18 @@
 
 One run starts, on 127.0.0.1:
 
-* ``--fakes`` (4) instant fake replicas (``bench/instant_upstream.py``), one core each;
+* ``--fakes`` (4) instant fake replicas (``bench.lib.upstream``), one core each;
 * one front per (front, core count) in ``--fronts`` x ``--cores``, all up for the whole run
   and idle between their measurements: ``python -m gateway serve --workers N`` (N = the
   front's cores, ``--gateway-workers match``; no ``--workers`` flag when N is 1, so today's
   single-process gateway runs too) and ``vllm-router`` ``--policy round_robin`` (``rr``) /
-  ``cache_aware`` (launched as ``bench/overhead.py`` does). Each front is pinned with
+  ``cache_aware`` (``bench.lib.fronts``). Each front is pinned with
   ``os.sched_setaffinity`` to the first N of the front CPUs before it starts; its
   processes and threads inherit the mask. The gateway on 1 core with 1 worker
   (``gateway@1``) is the base of the scaling efficiency, rps(N) / (N x rps(1));
-* ``--loadgens`` (4) load generators (``bench/loadgen.py``'s closed-loop client in a child
+* ``--loadgens`` (4) load generators (``bench.lib.load``'s closed-loop client in a child
   process each, its own core), ``--connections`` (64) keep-alive connections each, TRL-shaped
-  token-id completion bodies (``loadgen.make_bodies``, one seed per load generator).
+  token-id completion bodies (``load.make_bodies``, one seed per load generator).
 
 A measurement: the load generators start together, warm up for ``--warmup-s`` (closed loop,
 untimed), then run ``--duration-s`` at full concurrency, all from the same wall-clock start.
@@ -53,9 +53,7 @@ from __future__ import annotations
 
 import argparse
 import array
-import asyncio
 import contextlib
-import json
 import os
 import platform
 import shlex
@@ -65,18 +63,19 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # run as a script this is already the case
-    sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # run by path: bench.lib
 
-import loadgen  # noqa: E402
-import overhead  # noqa: E402
-from overhead import PY, ROOT, Fleet, med  # noqa: E402
-from rollout_testbed.procs import Proc, free_port, stop_all, wait_http  # noqa: E402
+from rollout_testbed.procs import Proc, stop_all  # noqa: E402
+
+from bench.lib import cpu, load  # noqa: E402
+from bench.lib.fronts import PY, ROOT, Fleet, pin  # noqa: E402
+from bench.lib.report import fmt_load, loadavg, machine_info, pyplot, write  # noqa: E402
+from bench.lib.rounds import Budget, med, paired_rounds  # noqa: E402
 
 FRONT_KINDS = ("gateway", "rr", "cache_aware")
 POLICY = {"rr": "round_robin", "cache_aware": "cache_aware"}
@@ -114,67 +113,6 @@ def _default_estimate() -> str:
         f"start/stop = ~{s:.0f} s (~{s / 60:.1f} min) on a quiet 16-CPU host; --budget-s "
         "stops starting rounds before that budget would be passed."
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# The load generator child, run as `cores.py _loadgen ...`.
-
-
-def loadgen_main(argv: list[str]) -> int:
-    import uvloop
-
-    parser = argparse.ArgumentParser(prog="cores.py _loadgen")
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--connections", type=int, required=True)
-    parser.add_argument("--start-at", type=float, required=True, help="time.time() to measure")
-    parser.add_argument("--duration", type=float, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lat-out", type=Path, required=True, help="latencies, float64 s")
-    args = parser.parse_args(argv)
-    bodies = loadgen.make_bodies(seed=args.seed)
-    endless = 1 << 40  # the time limit ends each run
-
-    async def go() -> dict[str, Any]:
-        warm = args.start_at - time.time()
-        warmed = 0
-        if warm > 0.1:  # closed loop, untimed, until just before the common start
-            res = await loadgen.run_load(
-                args.url,
-                concurrency=args.connections,
-                requests=endless,
-                max_seconds=warm - 0.05,
-                bodies=bodies,
-            )
-            warmed = len(res.latencies_s)
-            if res.transport_errors or sum(res.statuses.values()) != res.statuses.get(200, 0):
-                warmed = -1  # reported; the measured run counts its own errors
-        rest = args.start_at - time.time()
-        if rest > 0:
-            await asyncio.sleep(rest)
-        started = time.time()
-        own0 = time.process_time()
-        result = await loadgen.run_load(
-            args.url,
-            concurrency=args.connections,
-            requests=endless,
-            max_seconds=args.duration,
-            bodies=bodies,
-        )
-        own = time.process_time() - own0
-        with args.lat_out.open("wb") as f:
-            array.array("d", result.latencies_s).tofile(f)
-        out = loadgen.summarize(result)
-        out.update(
-            started_at=started,
-            warmup_requests=warmed,
-            client_busy=round(own / result.elapsed_s, 3) if result.elapsed_s > 0 else 0.0,
-            transport_errors=result.transport_errors,
-        )
-        return out
-
-    out = uvloop.run(go())
-    sys.stdout.write(json.dumps(out) + "\n")
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,29 +171,6 @@ def compute_layout(
     )
 
 
-@dataclass
-class Pinned(Fleet):
-    """overhead.Fleet with a CPU set per role (its ``start`` pins through ``cpus``)."""
-
-    cores: dict[str, set[int]] = field(default_factory=dict)
-
-    def cpus(self, role: str) -> set[int] | None:
-        if not hasattr(os, "sched_setaffinity"):
-            return None
-        return self.cores.get(role)
-
-
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(ppid, user+system CPU seconds) of ``pid`` from ``/proc/PID/stat``."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
-
-
 def ident(pid: int) -> str | None:
     """PID + start time (``/proc/PID/stat`` field 22): the same process, not a reused PID."""
     try:
@@ -263,34 +178,6 @@ def ident(pid: int) -> str | None:
             return f"{pid}:{f.read().rpartition(')')[2].split()[19]}"
     except (OSError, IndexError):
         return None
-
-
-def cpu_s(pid: int) -> float:
-    st = _stat(pid)
-    return st[1] if st else 0.0
-
-
-def tree(root: int) -> dict[int, float]:
-    """CPU seconds of ``root`` and every live descendant (one scan of ``/proc``)."""
-    stats: dict[int, tuple[int, float]] = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc"):
-            if name.isdigit() and (st := _stat(int(name))) is not None:
-                stats[int(name)] = st
-    if root not in stats:
-        return {}
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
-    out: dict[int, float] = {}
-    todo = [root]
-    while todo and len(out) < 10_000:
-        pid = todo.pop()
-        if pid in out:
-            continue
-        out[pid] = stats[pid][1]
-        todo.extend(children.get(pid, ()))
-    return out
 
 
 def affinity_of(pids: list[int]) -> list[int]:
@@ -310,7 +197,7 @@ class Front:
     urls: list[str]  # one per load generator (all the same, except direct)
     workers: int | str | None = None
     proc: Proc | None = None
-    fleet: Pinned | None = None
+    fleet: Fleet | None = None
     error: str = ""  # why it was not measured (did not start)
 
 
@@ -336,28 +223,21 @@ def gateway_has_workers() -> bool:
 def start_front(
     front: Front, fake_urls: list[str], log_dir: Path, args: argparse.Namespace, loadgens: int
 ) -> None:
-    fleet = Pinned("pinned", log_dir / front.key, cores={"front": set(front.cpus)})
+    fleet = Fleet(log_dir / front.key, {"front": set(front.cpus)})
     front.fleet = fleet
     if front.kind == "gateway":
-        port = free_port()
-        # Built here, not by rollout_testbed's gateway_argv (which adds --workers from the
-        # environment). 1 worker: no flag, so a gateway without --workers runs too.
-        argv = [PY, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
-                "--log-level", "WARNING"]  # fmt: skip
-        if args.gateway_router:
-            argv += ["--router", args.gateway_router]
+        # 1 worker: no flag, so a gateway without --workers runs too.
+        flags = ["--router", args.gateway_router] if args.gateway_router else []
         if front.workers != 1:
-            argv += ["--workers", str(front.workers)]
-        for url in fake_urls:
-            argv += ["--replica", url]
-        front.proc = fleet.start("gateway", argv, "front")
-        front.urls = [f"http://127.0.0.1:{port}"] * loadgens
+            flags += ["--workers", str(front.workers)]
+        started = fleet.gateway(fake_urls, flags=flags)
     else:
-        started = overhead.start_vllm_router(fleet, fake_urls, POLICY[front.kind])
-        if started is None:
+        router = fleet.vllm_router(fake_urls, POLICY[front.kind])
+        if router is None:
             raise SystemExit("cores.py: vllm-router is not installed (pip install vllm-router)")
-        front.proc, url = started
-        front.urls = [url] * loadgens
+        started = router
+    front.proc = started.proc
+    front.urls = [started.url] * loadgens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,58 +260,32 @@ def measure(
     try:
         for i, url in enumerate(front.urls):
             lat = work / f"lat-{i}.f64"
-            argv = [
-                PY,
-                str(Path(__file__).resolve()),
-                "_loadgen",
-                "--url",
+            child = load.spawn_client(
                 url,
-                "--connections",
-                str(args.connections),
-                "--start-at",
-                f"{start_at:.6f}",
-                "--duration",
-                f"{args.duration_s:g}",
-                "--seed",
-                str(i),
-                "--lat-out",
-                str(lat),
-            ]
-            pin = overhead._affinity({layout.loadgen[i]})
-            child = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                preexec_fn=pin,
+                {layout.loadgen[i]},
+                concurrency=args.connections,
+                start_at=start_at,
+                max_seconds=args.duration_s,
+                seed=i,
+                lat_out=lat,
             )
             children.append((child, lat))
         root = front.proc.pid if front.proc is not None else None
         # The front's and the fakes' CPU over the measured window (this process's clock).
         time.sleep(max(0.0, min(start_at - time.time(), args.spawn_s + args.warmup_s + 5)))
-        fakes0 = [cpu_s(p) for p in fake_pids]
-        front0 = tree(root) if root else {}
+        fakes0 = [cpu.cpu_s(p) for p in fake_pids]
+        front0 = cpu.tree_ns(root) if root else {}
         t0 = time.monotonic()
         time.sleep(args.duration_s)
-        front1 = tree(root) if root else {}
-        fakes1 = [cpu_s(p) for p in fake_pids]
+        front1 = cpu.tree_ns(root) if root else {}
+        fakes1 = [cpu.cpu_s(p) for p in fake_pids]
         window = time.monotonic() - t0
-        outs = []
         deadline = time.monotonic() + 30.0 + args.duration_s
-        for child, _ in children:
-            try:
-                stdout, stderr = child.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.communicate(timeout=10)
-                raise RuntimeError(f"{front.key}: load generator {child.pid} timed out") from None
-            try:
-                outs.append(json.loads(stdout.decode().strip().splitlines()[-1]))
-            except (IndexError, json.JSONDecodeError) as exc:
-                raise RuntimeError(
-                    f"{front.key}: load generator failed: {stderr.decode()[-2000:]}"
-                ) from exc
-        merged = loadgen.LoadResult()
+        try:
+            outs = [load.collect(c, max(1.0, deadline - time.monotonic())) for c, _ in children]
+        except RuntimeError as exc:
+            raise RuntimeError(f"{front.key}: {exc}") from None
+        merged = load.LoadResult()
         for (_, lat), out in zip(children, outs, strict=True):
             values = array.array("d")
             values.frombytes(lat.read_bytes())
@@ -440,7 +294,7 @@ def measure(
             merged.statuses.update(Counter({int(k): v for k, v in out["statuses"].items()}))
             merged.transport_errors += int(out["transport_errors"])
             merged.elapsed_s = max(merged.elapsed_s, float(out["elapsed_s"]))
-        summary = loadgen.summarize(merged)
+        summary = load.summarize(merged)
     finally:
         for child, lat in children:
             if child.poll() is None:
@@ -469,7 +323,8 @@ def measure(
         "window_s": round(window, 3),
     }
     if root:
-        result["front_busy_cores"] = round(sum(front1[p] - front0[p] for p in both) / window, 3)
+        used = sum(front1[p] - front0[p] for p in both) / 1e9
+        result["front_busy_cores"] = round(used / window, 3)
         result["front_processes"] = len(front1)
         result["front_affinity"] = affinity_of(sorted(front1))
     return result
@@ -584,8 +439,8 @@ def render(report: dict[str, Any]) -> str:
         f"Machine: {machine['nproc']} CPUs ({len(cfg['layout']['available'])} usable), "
         f"{machine.get('cpu_model') or 'cpu model n/a'}, {machine['platform']}, Python "
         f"{machine['python']}; load average (1/5/15 min) at start "
-        f"{overhead.fmt_load(machine['loadavg_at_start'])}, at end "
-        f"{overhead.fmt_load(cfg['loadavg_at_end'])}. Layout: {cfg['layout']['detail']}."
+        f"{fmt_load(machine['loadavg_at_start'])}, at end "
+        f"{fmt_load(cfg['loadavg_at_end'])}. Layout: {cfg['layout']['detail']}."
         + (f" {machine['note']}" if machine.get("note") else ""),
         "",
         f"Load: {cfg['loadgens']} load generators x {cfg['connections']} keep-alive "
@@ -660,13 +515,17 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict[str, Any], path: Path) -> bool:
+def safe_plot(report: dict[str, Any], path: Path) -> bool:
+    """``plot``, but a plot must not cost the run its numbers."""
     try:
-        import matplotlib
+        return plot(report, path)
+    except Exception as exc:
+        print(f"cores.py: no plot: {exc!r}", file=sys.stderr)
+        return False
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    if (plt := pyplot()) is None:
         return False
     summary = report["summary"]
     colors = {"gateway": "tab:blue", "rr": "tab:orange", "cache_aware": "tab:green"}
@@ -724,10 +583,9 @@ _BUSY = (
 def affinity_check(cpu: int, seconds: float = 0.6) -> dict[str, Any]:
     """Two busy loops pinned to one CPU for ``seconds``: together they get ~``seconds`` of CPU
     where affinity is enforced, ~2x that where it is not (gVisor, say)."""
-    pin = overhead._affinity({cpu})
     kids = [
         subprocess.Popen(
-            [PY, "-c", _BUSY.format(s=seconds)], stdout=subprocess.PIPE, preexec_fn=pin
+            [PY, "-c", _BUSY.format(s=seconds)], stdout=subprocess.PIPE, preexec_fn=pin({cpu})
         )
         for _ in range(2)
     ]
@@ -746,17 +604,7 @@ def affinity_check(cpu: int, seconds: float = 0.6) -> dict[str, Any]:
 
 
 def machine_extra(layout: Layout) -> dict[str, Any]:
-    try:
-        info: dict[str, Any] = overhead.machine_info("cores")
-    except OSError as exc:  # no git on the machine, say
-        info = {
-            "nproc": os.cpu_count(),
-            "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "git_head": "",
-            "machine_info_error": str(exc),
-        }
+    info = machine_info(("rollout-gateway", "uvloop", "vllm-router"), placement="cores")
     model = ""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -764,10 +612,10 @@ def machine_extra(layout: Layout) -> dict[str, Any]:
                 model = line.split(":", 1)[1].strip()
                 break
     siblings: dict[str, str] = {}
-    for cpu in layout.available:
-        p = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+    for c in layout.available:
+        p = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")
         with contextlib.suppress(OSError):
-            siblings[str(cpu)] = p.read_text().strip()
+            siblings[str(c)] = p.read_text().strip()
     info.update(
         cpu_model=model,
         kernel=platform.release(),
@@ -896,13 +744,10 @@ def plan(args: argparse.Namespace, layout: Layout) -> list[Front]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_loadgen"]:
-        return loadgen_main(argv[1:])
-    args = parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     # SIGTERM (a time limit, say) unwinds like Ctrl-C: every process started here is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    t0 = time.monotonic()
+    budget = Budget(args.budget_s, reserve=TEARDOWN_S)
     available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if not available:
         available = list(range(os.cpu_count() or 1))
@@ -957,11 +802,9 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, dict[str, Any]]] = []
     round_info: list[dict[str, Any]] = []
 
-    def write() -> dict[str, Any]:
+    def write_all() -> dict[str, Any]:
         config.update(
-            rounds_done=len(rounds),
-            elapsed_s=round(time.monotonic() - t0, 1),
-            loadavg_at_end=os.getloadavg() if hasattr(os, "getloadavg") else None,
+            rounds_done=len(rounds), elapsed_s=round(budget.elapsed(), 1), loadavg_at_end=loadavg()
         )
         summary = summarize(rounds, every)
         report = {
@@ -972,30 +815,16 @@ def main(argv: list[str] | None = None) -> int:
             "round_info": round_info,
             "rounds": rounds,
         }
-        try:
-            config["plot"] = plot(report, out_dir / "cores.png")  # False: no matplotlib
-        except Exception as exc:  # a plot must not cost the run its numbers
-            config["plot"] = False
-            print(f"cores.py: no plot: {exc!r}", file=sys.stderr)
-        (out_dir / "cores.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out_dir / "cores.md").write_text(render(report))
+        paths = write(out_dir, "cores", report, render(report), safe_plot)
+        config["plot"] = any(p.suffix == ".png" for p in paths)
         return report
 
-    harness = Pinned("pinned", log_dir, cores={f"fake{i}": {c} for i, c in enumerate(layout.fake)})
+    harness = Fleet(log_dir, {f"fake{i}": {c} for i, c in enumerate(layout.fake)})
     fake_urls: list[str] = []
     fake_pids: list[int] = []
     try:
-        fakes = []
-        for i in range(args.fakes):
-            port = free_port()
-            argv_fake = [PY, str(HERE / "instant_upstream.py"), "--port", str(port)]
-            fakes.append(
-                (f"http://127.0.0.1:{port}", harness.start(f"fake{i}", argv_fake, f"fake{i}"))
-            )
-        for url, proc in fakes:
-            wait_http(url + "/health", proc=proc, timeout=30)
-            fake_urls.append(url)
-            fake_pids.append(proc.pid)
+        fakes = harness.upstreams(args.fakes, roles=[f"fake{i}" for i in range(args.fakes)])
+        fake_urls, fake_pids = [f.url for f in fakes], [f.pid for f in fakes]
         if direct is not None:
             direct.urls = [fake_urls[i % len(fake_urls)] for i in range(args.loadgens)]
         for f in fronts:
@@ -1003,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         for f in fronts:
             assert f.proc is not None
             try:
-                wait_http(f.urls[0] + "/health", proc=f.proc, timeout=90)
+                f.proc.wait_http("/health", timeout=90)
             except (RuntimeError, TimeoutError) as exc:  # reported; the others still run
                 f.error = f"did not start: {exc}"
                 print(f"cores.py: {f.key} {f.error}", file=sys.stderr)
@@ -1012,21 +841,11 @@ def main(argv: list[str] | None = None) -> int:
         measured = [f for f in measured if not f.error]
         print(
             f"cores.py: {len(fronts)} fronts started, {len(measured)} to measure, after "
-            f"{time.monotonic() - t0:.1f} s",
+            f"{budget.elapsed():.1f} s",
             file=sys.stderr,
         )
-        longest = 0.0
-        for r in range(args.rounds if measured else 0):
-            elapsed = time.monotonic() - t0
-            if r > 0 and elapsed + longest + TEARDOWN_S > args.budget_s:
-                print(
-                    f"cores.py: budget {args.budget_s:g} s: stopping after {r} rounds",
-                    file=sys.stderr,
-                )
-                break
+        for r, order in paired_rounds(measured, args.rounds if measured else 0, budget):
             r0 = time.monotonic()
-            shift = r % len(measured)
-            order = measured[shift:] + measured[:shift]
             this: dict[str, dict[str, Any]] = {}
             for f in order:
                 try:
@@ -1045,20 +864,19 @@ def main(argv: list[str] | None = None) -> int:
                 )
             rounds.append(this)
             dur = time.monotonic() - r0
-            longest = max(longest, dur)
             round_info.append(
                 {
                     "round": r + 1,
                     "order": [f.key for f in order],
                     "duration_s": round(dur, 1),
-                    "loadavg_at_end": os.getloadavg(),
+                    "loadavg_at_end": loadavg(),
                 }
             )
-            write()
+            write_all()
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the cleanup finish
         # Every process of every front (a gateway's workers too), to check after the stop.
-        started = {pid: ident(pid) for f in fronts if f.proc for pid in tree(f.proc.pid)}
+        started = {pid: ident(pid) for f in fronts if f.proc for pid in cpu.tree(f.proc.pid)}
         stop_all([p for f in fronts if f.fleet for p in f.fleet.procs], grace=15, kill_wait=5)
         harness.stop_all()
         left = [pid for pid, who in started.items() if who is not None and ident(pid) == who]
@@ -1067,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.kill(pid, signal.SIGKILL)
         if left:
             print(f"cores.py: killed {len(left)} leftover front processes {left}", file=sys.stderr)
-    report = write()
+    report = write_all()
     print(render(report))
     kinds = "json,md,png" if config.get("plot") else "json,md (no matplotlib: no png)"
     print(f"cores.py: wrote {out_dir}/cores.{{{kinds}}}; logs in {log_dir}", file=sys.stderr)

@@ -11,8 +11,8 @@ the kernel's TCP work are not counted -- and not cache misses; it measures how m
 the code asks for, which is what a change to the gateway's Python moves.
 
 For each *variant* (a source tree holding a ``gateway`` package) the gateway runs under
-valgrind twice in front of ``bench/instant_upstream.py``: once serving nothing but its
-readiness probes, once serving ``--requests`` rollouts from ``bench/loadgen.py`` (64 in
+valgrind twice in front of ``bench.lib.upstream``: once serving nothing but its
+readiness probes, once serving ``--requests`` rollouts from ``bench.lib.load`` (64 in
 flight, and again at 1 in flight); it is stopped with SIGTERM so valgrind prints its
 total. Instructions per request = (total with requests - total without) / requests.
 
@@ -29,20 +29,25 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from rollout_testbed.procs import Proc, free_port
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: bench.lib
+
+from bench.lib import load
+from bench.lib.fronts import ROOT
+
 PY = sys.executable
 _TOTAL = re.compile(rb"I\s+refs:\s+([\d,]+)")
 
 
 def count(tree: Path, upstream: str, requests: int, mode: str) -> int:
-    """Instructions of one gateway life: start, ``requests`` rollouts, SIGTERM."""
+    """Instructions of one gateway life: start, ``requests`` rollouts (``mode``: 64 in
+    flight, ``throughput``, or 1, ``latency``), SIGTERM."""
+    concurrency = 1 if mode == "latency" else 64
     port = free_port()
     cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"]
     cmd += [PY, "-m", "gateway", "serve", "--replica", upstream, "--port", str(port)]
@@ -59,10 +64,9 @@ def count(tree: Path, upstream: str, requests: int, mode: str) -> int:
         with proc:
             proc.wait_http("/health", timeout=300, interval=0.5)
             if requests:
-                argv = [PY, str(HERE / "loadgen.py"), "--url", url, "--mode", mode]
-                argv += ["--requests", str(requests), "--max-seconds", "900"]
-                done = subprocess.run(argv, capture_output=True, timeout=1200, check=True)
-                result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+                result = load.run_client(
+                    url, None, concurrency=concurrency, requests=requests, max_seconds=900
+                )
                 if result["errors"] or result["requests"] != requests:
                     raise RuntimeError(f"load failed: {result}")
             proc.stop(grace=120)
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {n: Path(t).resolve() for n, t in (v.split("=", 1) for v in args.variant)}
     up_port = free_port()
     upstream = f"http://127.0.0.1:{up_port}"
-    up = Proc("upstream", [PY, str(HERE / "instant_upstream.py"), "--port", str(up_port)],
+    up = Proc("upstream", [PY, "-m", "bench.lib.upstream", "--port", str(up_port)], cwd=ROOT,
               url=upstream, new_session=False, inherit_output=True).start()  # fmt: skip
     rows: dict[str, dict[str, float]] = {}
     try:

@@ -1,6 +1,6 @@
 """Gateway overhead vs direct access and vs vllm-router, side by side in one run.
 
-Starts two instant fake upstreams (``bench/instant_upstream.py``), the gateway (current
+Starts two instant fake upstreams (``bench.lib.upstream``), the gateway (current
 tree, ``--log-level WARNING``) and ``vllm-router`` (round_robin) on free 127.0.0.1 ports,
 warms each front up, then runs interleaved rounds of, per front:
 
@@ -36,293 +36,72 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
-import json
 import os
-import platform
-import shutil
-import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
-from rollout_testbed.procs import Proc, free_port, stop_all, wait_http
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: bench.lib
+
+from bench.lib import load
+from bench.lib.fronts import CLIENT_CPU, FRONT_CPU, PY, Fleet, Front, split_cores
+from bench.lib.report import fmt_load, loadavg, machine_info, write
+from bench.lib.rounds import Budget, med, paired_rounds, ratio_per_round
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-PY = sys.executable
-BIN = Path(sys.executable).parent
-
-CLIENT_CPU = 0
-FRONT_CPU = 1
 CONCURRENCY = 64
 PACED_KINDS = ("paced", "paced_cap")
+PACKAGES = ("rollout-gateway", "uvicorn", "uvloop", "httptools", "aiohttp", "orjson",
+            "vllm-router")  # fmt: skip
 
 
-def _affinity(cpus: set[int] | None) -> Callable[[], None] | None:
-    if cpus is None or not hasattr(os, "sched_setaffinity"):
-        return None
-
-    def pin() -> None:
-        os.sched_setaffinity(0, cpus)
-
-    return pin
-
-
-@dataclass
-class Fleet:
-    placement: str
-    log_dir: Path
-    procs: list[Proc] = field(default_factory=list)
-
-    def cpus(self, role: str) -> set[int] | None:
-        if self.placement == "none" or (os.cpu_count() or 1) < 2:
-            return None
-        return {FRONT_CPU} if role == "front" else {CLIENT_CPU}
-
-    def start(
-        self,
-        name: str,
-        argv: list[str],
-        role: str,
-        env: dict[str, str] | None = None,
-        cwd: Path = ROOT,
-    ) -> Proc:
-        # SIGTERM to this PID only (no session of its own), output to NAME.log.
-        pin = _affinity(self.cpus(role))
-        proc = Proc(name, argv, self.log_dir / f"{name}.log", env=env, cwd=cwd,
-                    new_session=False, append=False, preexec_fn=pin)  # fmt: skip
-        self.procs.append(proc.start())
-        return proc
-
-    def stop_all(self) -> None:
-        stop_all(list(reversed(self.procs)), grace=10, kill_wait=5)
-
-
-def cpu_ns(pid: int) -> int:
-    """On-CPU nanoseconds of every live thread of ``pid`` and of its descendants
-    (``/proc/PID/task/*/schedstat``; ``serve --workers N`` is a tree of processes)."""
-    total = 0
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
-                total += sum(cpu_ns(int(child)) for child in f.read().split())
-    return total
-
-
-def run_loadgen(
+def run(
     fleet: Fleet,
-    url: str,
-    mode: str,
+    front: Front,
     requests: int,
-    warmup: int,
+    *,
+    concurrency: int = CONCURRENCY,
+    warmup: int = 0,
     max_seconds: float,
-    pid: int | None = None,
     rate: float = 0.0,
+    measure_cpu: bool = True,
 ) -> dict[str, object]:
-    def argv(n: int) -> list[str]:
-        cmd = [
-            PY,
-            str(HERE / "loadgen.py"),
-            "--url",
-            url,
-            "--mode",
-            mode,
-            "--requests",
-            str(n),
-            "--max-seconds",
-            str(max_seconds),
-        ]
-        if rate:
-            cmd += ["--rate", f"{rate:g}", "--concurrency", str(CONCURRENCY)]
-        return cmd
-
-    pin = _affinity(fleet.cpus("client"))
-    if warmup:  # separate process, so the CPU reading below covers only measured requests
-        subprocess.run(
-            argv(warmup),
-            capture_output=True,
-            timeout=2 * max_seconds + 30,
-            preexec_fn=pin,
-            check=False,
-        )
-    before = cpu_ns(pid) if pid else 0
-    out = subprocess.run(
-        argv(requests),
-        capture_output=True,
-        timeout=2 * max_seconds + 30,
-        preexec_fn=pin,
-        check=False,
-    )
-    try:
-        result: dict[str, object] = json.loads(out.stdout.decode().strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError) as exc:
-        raise RuntimeError(f"loadgen failed: {out.stderr.decode()[-2000:]}") from exc
-    if pid and result.get("requests"):
-        # The front's own CPU time per request (all its threads): robust to a noisy machine.
-        used = cpu_ns(pid) - before
-        served = int(result["requests"]) + int(result.get("primed", 0))  # type: ignore[call-overload]
-        result["front_cpu_us_per_req"] = round(used / 1000 / served, 1)
-    return result
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def machine_info(placement: str) -> dict[str, object]:
-    git = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, cwd=ROOT, check=False
-    )
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", "gateway"],
-        capture_output=True,
-        cwd=ROOT,
-        check=False,
-    )
-    module = subprocess.run(
-        [PY, "-c", "import gateway; print(gateway.__file__)"],
-        capture_output=True,
-        cwd=ROOT,
-        check=False,
-    )
-    return {
-        "nproc": os.cpu_count(),
-        "affinity_available": sorted(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else None,
-        "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "git_head": git.stdout.decode().strip(),
-        "gateway_tree_dirty": bool(dirty.stdout.strip()),
-        "gateway_module": module.stdout.decode().strip(),  # which tree the gateway runs from
-        "placement": placement,
-        "packages": {
-            d: _version(d)
-            for d in (
-                "rollout-gateway",
-                "fastapi",
-                "starlette",
-                "uvicorn",
-                "uvloop",
-                "httptools",
-                "httpx",
-                "httpx-aiohttp",
-                "aiohttp",
-                "orjson",
-                "vllm-router",
-            )
-        },
-    }
+    """One load run against ``front`` from the client CPU; with ``measure_cpu``, the
+    front's CPU per request over the measured requests only."""
+    return load.run_client(front.url, fleet.cpus("client"), concurrency=concurrency,
+                           requests=requests, warmup=warmup, max_seconds=max_seconds,
+                           rate=rate, cpu_pid=front.pid if measure_cpu else 0)  # fmt: skip
 
 
 def num(value: object) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
-def med(values: list[float]) -> float:
-    vals = [v for v in values if v == v]  # drop NaN
-    return round(statistics.median(vals), 4) if vals else float("nan")
-
-
-def start_vllm_router(
-    fleet: Fleet, up_urls: list[str], policy: str = "round_robin"
-) -> tuple[Proc, str] | None:
-    """vllm-router (``policy``) over ``up_urls`` on the front core, or None if it is not
-    installed; returns the process and its URL (wait for ``/health`` before use)."""
-    router_bin = BIN / "vllm-router"
-    if not router_bin.exists() and shutil.which("vllm-router"):
-        router_bin = Path(shutil.which("vllm-router") or "")
-    if not router_bin.exists():
-        return None
-    rport, mport = free_port(), free_port()
-    argv = [str(router_bin), "--host", "127.0.0.1", "--port", str(rport), "--worker-urls",
-            *up_urls, "--policy", policy, "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(mport)]  # fmt: skip
-    return fleet.start("vllm-router", argv, "front"), f"http://127.0.0.1:{rport}"
-
-
 @contextlib.contextmanager
-def fleet_up(
-    args: argparse.Namespace, log_dir: Path
-) -> Iterator[tuple[Fleet, dict[str, str], dict[str, int]]]:
-    fleet = Fleet(args.placement, log_dir)
-    try:
-        up_ports = [free_port(), free_port()]
-        ups = []
-        for i, port in enumerate(up_ports):
-            proc = fleet.start(
-                f"upstream{i + 1}",
-                [PY, str(HERE / "instant_upstream.py"), "--port", str(port)],
-                "client",
-            )
-            ups.append(proc)
-        up_urls = [f"http://127.0.0.1:{p}" for p in up_ports]
-        for url, proc in zip(up_urls, ups, strict=True):
-            wait_http(url + "/health", proc=proc, timeout=30)
-        fronts: dict[str, str] = {"direct": up_urls[0]}
-        pids: dict[str, int] = {"direct": ups[0].popen.pid}
-
-        gw_port = free_port()
-        gw_argv = [str(BIN / "rollout-gateway"), "serve"]
-        for url in up_urls:
-            gw_argv += ["--replica", url]
-        gw_argv += ["--host", "127.0.0.1", "--port", str(gw_port), "--log-level", "WARNING"]
-        gw = fleet.start("gateway", gw_argv, "front")
-        fronts["gateway"] = f"http://127.0.0.1:{gw_port}"
-        pids["gateway"] = gw.popen.pid
+def fleet_up(args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[Fleet, dict[str, Front]]]:
+    """Two instant upstreams and every front over them, all answering ``/health``."""
+    with Fleet(log_dir, split_cores(args.placement)) as fleet:
+        replicas = [up.url for up in fleet.upstreams(2)]
+        fronts = {"direct": Front("direct", replicas[0], fleet.procs[0])}
+        fronts["gateway"] = fleet.gateway(replicas)
         if args.baseline is not None:  # the same flags, another tree's code
-            base_port = free_port()
-            argv = [PY, "-m", "gateway", *gw_argv[1:]]
-            argv[argv.index(str(gw_port))] = str(base_port)
             src = args.baseline.resolve()  # cwd first on sys.path: that tree's package
             env = {**os.environ, "PYTHONPATH": str(src)}
-            base = fleet.start("gateway-before", argv, "front", env=env, cwd=src)
-            fronts["gateway-before"] = f"http://127.0.0.1:{base_port}"
-            pids["gateway-before"] = base.popen.pid
-            wait_http(fronts["gateway-before"] + "/health", proc=base, timeout=30)
-
+            fronts["gateway-before"] = fleet.gateway(replicas, name="gateway-before", env=env,
+                                                     cwd=src)  # fmt: skip
         for k in args.workers_variant:  # the same flags, ``--workers K``, same placement
-            w_port = free_port()
-            argv = [*gw_argv, "--workers", str(k)]
-            argv[argv.index(str(gw_port))] = str(w_port)
             name = f"gateway-w{k}"
-            proc = fleet.start(name, argv, "front")
-            fronts[name] = f"http://127.0.0.1:{w_port}"
-            pids[name] = proc.popen.pid
-            wait_http(fronts[name] + "/health", proc=proc, timeout=30)
-
+            fronts[name] = fleet.gateway(replicas, name=name, flags=["--workers", str(k)])
         if args.floor:  # Python's floor on this core: bench/ceiling.py's ``_floor`` front
-            floor_port = free_port()
-            argv = [PY, str(HERE / "ceiling.py"), "_floor", "--port", str(floor_port)]
-            for url in up_urls:
-                argv += ["--replica", url]
-            floor = fleet.start("floor", argv, "front")
-            fronts["floor"] = f"http://127.0.0.1:{floor_port}"
-            pids["floor"] = floor.popen.pid
-            wait_http(fronts["floor"] + "/health", proc=floor, timeout=30)
-
-        router = None
-        started = None if args.no_router else start_vllm_router(fleet, up_urls)
-        if started is not None:
-            router, fronts["vllm-router"] = started
-            pids["vllm-router"] = router.popen.pid
-
-        wait_http(fronts["gateway"] + "/health", proc=gw, timeout=30)
+            argv = [PY, str(HERE / "ceiling.py"), "_floor"]
+            fronts["floor"] = fleet.serve("floor", argv + [f"--replica={u}" for u in replicas])
+        router = None if args.no_router else fleet.vllm_router(replicas)
         if router is not None:
-            wait_http(fronts["vllm-router"] + "/health", proc=router, timeout=60)
-        yield fleet, fronts, pids
-    finally:
-        fleet.stop_all()
+            fronts["vllm-router"] = router
+        for front in fronts.values():
+            front.wait(timeout=60)
+        yield fleet, fronts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,46 +166,27 @@ def main(argv: list[str] | None = None) -> int:
     per_run_max = 8.0 if args.quick else 40.0
     paced_max = 3 * args.paced_seconds + 5.0
 
-    t0 = time.monotonic()
-    info = machine_info(args.placement)
+    budget = Budget(args.budget_s)
+    info = machine_info(PACKAGES, placement=args.placement)
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"overhead-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
     rounds: list[dict[str, dict[str, dict[str, object]]]] = []
     round_info: list[dict[str, object]] = []
-    with fleet_up(args, log_dir) as (fleet, fronts, pids):
+    with fleet_up(args, log_dir) as (fleet, fronts):
         names = list(fronts)
         # Warm-up: connections, JIT-free but caches/pools/allocators settle.
         for name in names:
-            run_loadgen(fleet, fronts[name], "throughput", tput_warm, 0, per_run_max)
-            run_loadgen(fleet, fronts[name], "latency", lat_warm, 0, per_run_max)
-        longest = 0.0
-        for r in range(args.rounds):
-            now = time.monotonic() - t0
-            if r > 0 and now + longest > args.budget_s:
-                print(f"budget reached; stopping after {r} rounds", file=sys.stderr)
-                break
+            run(fleet, fronts[name], tput_warm, max_seconds=per_run_max, measure_cpu=False)
+            run(fleet, fronts[name], lat_warm, concurrency=1, max_seconds=per_run_max,
+                measure_cpu=False)  # fmt: skip
+        for r, order in paired_rounds(names, args.rounds, budget):
             r0 = time.monotonic()
-            order = names[r % len(names) :] + names[: r % len(names)]  # rotate per round
             this: dict[str, dict[str, dict[str, object]]] = {name: {} for name in order}
             for name in order:
-                lat = run_loadgen(
-                    fleet,
-                    fronts[name],
-                    "latency",
-                    args.lat_requests,
-                    lat_warm // 2,
-                    per_run_max,
-                    pids[name],
-                )
-                tput = run_loadgen(
-                    fleet,
-                    fronts[name],
-                    "throughput",
-                    args.tput_requests,
-                    tput_warm // 2,
-                    per_run_max,
-                    pids[name],
-                )
+                lat = run(fleet, fronts[name], args.lat_requests, concurrency=1,
+                          warmup=lat_warm // 2, max_seconds=per_run_max)  # fmt: skip
+                tput = run(fleet, fronts[name], args.tput_requests, warmup=tput_warm // 2,
+                           max_seconds=per_run_max)  # fmt: skip
                 this[name].update(latency=lat, throughput=tput)
                 print(
                     f"round {r + 1} {name:>12}: 1-in-flight p50 {lat['p50_ms']:.3f} ms "
@@ -449,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                     if rate <= 0:
                         continue
                     n = max(CONCURRENCY, int(rate * args.paced_seconds))
-                    res = run_loadgen(
-                        fleet, fronts[name], "throughput", n, 0, paced_max, pids[name], rate
-                    )
+                    res = run(fleet, fronts[name], n, max_seconds=paced_max, rate=rate)
                     this[name][kind] = res
                     print(
                         f"round {r + 1} {name:>12}: 64 conns paced {rate:>6.0f} req/s: "
@@ -464,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
                     )
             rounds.append(this)
             dur = time.monotonic() - r0
-            longest = max(longest, dur)
             round_info.append(
                 {
                     "round": r + 1,
@@ -472,10 +229,10 @@ def main(argv: list[str] | None = None) -> int:
                     "paced_rate": args.paced_rate,
                     "capacity_rate": cap_rate,
                     "duration_s": round(dur, 1),
-                    "loadavg_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
+                    "loadavg_at_end": loadavg(),
                 }
             )
-    elapsed = time.monotonic() - t0
+    elapsed = budget.elapsed()
 
     summary = summarize(rounds, names)
     report: dict[str, object] = {
@@ -499,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             "gateway_flags": "--log-level WARNING",
             "httpx_default_transport_variant": "skipped: the gateway exposes no transport switch",
             "elapsed_s": round(elapsed, 1),
-            "loadavg_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "loadavg_at_end": loadavg(),
         },
         "round_info": round_info,
         "rounds": rounds,
@@ -508,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(report)
     print(table)
     if not args.no_write:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / "overhead.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out_dir / "overhead.md").write_text(table)
+        write(args.out_dir, "overhead", report, table)
     errors = sum(int(m["errors"]) for rnd in rounds for f in rnd.values() for m in f.values())  # type: ignore[call-overload]
     return 0 if errors == 0 else 1
 
@@ -587,17 +342,12 @@ def summarize(
             )
             s[f"{kind}_kept_up"] = float(kept_up(s, kind))
         if "vllm-router" in names:
-            ratios = [
-                num(rnd[name]["throughput"]["rps"]) / num(rnd["vllm-router"]["throughput"]["rps"])
-                for rnd in rounds
-            ]
-            s["rps_vs_vllm_router"] = med(ratios)
-            cpu_ratios = [
-                num(rnd["vllm-router"]["throughput"]["front_cpu_us_per_req"])
-                / num(rnd[name]["throughput"]["front_cpu_us_per_req"])
-                for rnd in rounds
-            ]
-            s["cpu_efficiency_vs_vllm_router"] = med(cpu_ratios)
+            s["rps_vs_vllm_router"] = ratio_per_round(
+                rounds, name, "vllm-router", lambda f: num(f["throughput"]["rps"])
+            )
+            s["cpu_efficiency_vs_vllm_router"] = ratio_per_round(
+                rounds, "vllm-router", name, lambda f: num(f["throughput"]["front_cpu_us_per_req"])
+            )
         out[name] = s
     return out
 
@@ -705,12 +455,6 @@ def render(report: dict[str, object]) -> str:
         f"{cfg['httpx_default_transport_variant']}."
     )
     return "\n".join(lines) + "\n"
-
-
-def fmt_load(value: object) -> str:
-    if not value:
-        return "n/a"
-    return "/".join(f"{v:.2f}" for v in value)  # type: ignore[attr-defined]
 
 
 def render_targets(

@@ -49,11 +49,9 @@ import contextlib
 import json
 import math
 import os
-import platform
 import random
 import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,6 +65,11 @@ import aiohttp
 import orjson
 import uvloop
 from rollout_testbed.procs import Proc, sim_fleet
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: bench.lib
+
+from bench.lib import cpu, load
+from bench.lib.report import machine_info, pyplot
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -133,13 +136,6 @@ def fd_breakdown(pid: int, own_port: int, upstream_ports: list[int]) -> dict[str
         "close_wait": close_wait,
         "fds_not_connections": total - client - sum(up),
     }
-
-
-def cpu_s(pid: int) -> float:
-    """utime + stime of ``pid`` in seconds (all threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields_ = f.read().rsplit(")", 1)[1].split()
-    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --------------------------------------------------------------------------- workload
@@ -228,53 +224,6 @@ class Workload:
 # --------------------------------------------------------------------------- raw HTTP client
 
 
-class ProtocolError(Exception):
-    pass
-
-
-def parse_response(buf: bytearray) -> tuple[int, bytes, bytes, int] | None:
-    """(status, head, de-chunked body, bytes consumed) once ``buf`` holds a whole response."""
-    end = buf.find(b"\r\n\r\n")
-    if end < 0:
-        return None
-    head = bytes(buf[:end]).lower()
-    try:
-        status = int(head[9:12])
-    except ValueError as exc:
-        raise ProtocolError(f"bad status line {head[:40]!r}") from exc
-    start = end + 4
-    if b"transfer-encoding: chunked" in head:
-        # Cheap completeness test first (a stream arrives in many pieces); then de-chunk.
-        if not buf.endswith(b"0\r\n\r\n"):
-            return None
-        body = bytearray()
-        pos = start
-        while True:
-            line_end = buf.find(b"\r\n", pos)
-            if line_end < 0:
-                return None
-            try:
-                size = int(bytes(buf[pos:line_end]).split(b";", 1)[0], 16)
-            except ValueError as exc:
-                raise ProtocolError("bad chunk size") from exc
-            if size == 0:
-                if len(buf) < line_end + 4:
-                    return None
-                return status, head, bytes(body), line_end + 4
-            body += buf[line_end + 2 : line_end + 2 + size]
-            pos = line_end + 2 + size + 2
-            if len(buf) < pos:
-                return None
-    marker = head.find(b"content-length:")
-    if marker < 0:
-        raise ProtocolError("response without Content-Length or chunked framing")
-    line_end = head.find(b"\r\n", marker)
-    length = int(head[marker + 15 : line_end if line_end > 0 else None])
-    if len(buf) < start + length:
-        return None
-    return status, head, bytes(buf[start : start + length]), start + length
-
-
 class Conn(asyncio.Protocol):
     """One keep-alive connection with one request in flight at a time."""
 
@@ -312,13 +261,14 @@ class Conn(asyncio.Protocol):
         if self.waiter is None or self.waiter.done():
             return
         try:
-            parsed = parse_response(self.buf)
-        except (ProtocolError, ValueError) as exc:
+            parsed = load.parse_response(self.buf)
+        except (load.ProtocolError, ValueError) as exc:
             self.waiter.set_exception(ConnectionError(f"protocol error: {exc}"))
             self.close()
             return
         if parsed is not None:
-            status, head, body, consumed = parsed
+            status, head, consumed = parsed
+            body = load.body_of(bytes(self.buf[:consumed]), head)
             del self.buf[:consumed]
             self.waiter.set_result((status, head, body))
 
@@ -594,7 +544,7 @@ class Soak:
     async def sampler(self, session: aiohttp.ClientSession, end: float) -> None:
         pid = self.gateway.pid
         me = os.getpid()
-        last_cpu, last_me = cpu_s(pid), time.process_time()
+        last_cpu, last_me = cpu.cpu_s(pid), time.process_time()
         last_sims = self.sim_cpu()
         last_t = time.perf_counter()
         k = 0
@@ -605,7 +555,7 @@ class Soak:
             w, self.window = self.window, Window()
             now = time.perf_counter()
             t = now - self.t0
-            cpu, mine = cpu_s(pid), time.process_time()
+            gw_cpu, mine = cpu.cpu_s(pid), time.process_time()
             sims = self.sim_cpu()
             rss, fds = rss_kb(pid), fd_breakdown(pid, self.gw_port, self.sim_ports)
             span = now - last_t
@@ -617,8 +567,8 @@ class Soak:
                 phase=self.phase(t - self.args.window / 2),
                 rss_mb=round(rss / 1024.0, 2),
                 **fds,
-                gateway_cpu_pct=round(100.0 * (cpu - last_cpu) / span, 1),
-                gateway_cpu_s=round(cpu - last_cpu, 3),
+                gateway_cpu_pct=round(100.0 * (gw_cpu - last_cpu) / span, 1),
+                gateway_cpu_s=round(gw_cpu - last_cpu, 3),
                 client_cpu_pct=round(100.0 * (mine - last_me) / span, 1),
                 sims_cpu_pct=[
                     round(100.0 * (b[1] - a[1]) / span, 1) if a and b and a[0] == b[0] else None
@@ -644,7 +594,7 @@ class Soak:
                     )
             self.windows.append(sample)
             self.raw.append((sample["phase"], w))
-            last_cpu, last_me, last_sims, last_t = cpu, mine, sims, now
+            last_cpu, last_me, last_sims, last_t = gw_cpu, mine, sims, now
             print(progress_line(sample), file=sys.stderr, flush=True)
             if now >= end:
                 return
@@ -654,7 +604,7 @@ class Soak:
         out: list[tuple[int, float] | None] = []
         for proc in self.sims:
             try:
-                out.append((proc.pid, cpu_s(proc.pid)) if proc.alive else None)
+                out.append((proc.pid, cpu.cpu_s(proc.pid)) if proc.alive else None)
             except OSError:
                 out.append(None)
         return out
@@ -1087,26 +1037,6 @@ def to_json(result: dict[str, Any]) -> str:
     return text.replace('"@WINDOWS@"', "[\n" + windows + "\n ]") + "\n"
 
 
-def machine_info() -> dict[str, Any]:
-    git = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, cwd=ROOT, check=False
-    )
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", "gateway"],
-        capture_output=True,
-        cwd=ROOT,
-        check=False,
-    )
-    return {
-        "nproc": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "git_head": git.stdout.decode().strip(),
-        "gateway_tree_dirty": bool(dirty.stdout.strip()),
-        "loadavg_at_start": os.getloadavg(),
-    }
-
-
 def fmt(x: Any, digits: int = 1) -> str:
     if x is None or (isinstance(x, float) and x != x):
         return "-"
@@ -1329,10 +1259,8 @@ def markdown(result: dict[str, Any], short: bool) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    if (plt := pyplot()) is None:
+        return
 
     ws = result["windows"]
     t = [w["t_s"] / 60.0 for w in ws]

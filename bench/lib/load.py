@@ -1,29 +1,37 @@
-"""A raw keep-alive HTTP/1.1 load client on asyncio + uvloop (no httpx/aiohttp in the client).
+"""The one load client of the benchmarks: raw keep-alive HTTP/1.1 on asyncio + uvloop.
+
+Why its own: an httpx or aiohttp client costs more CPU per request than the fronts it
+measures; this one costs ~20-40 µs, so one client core drives every front here.
 
 C connections, each with exactly one request in flight, POST a ~1 KB TRL-shaped completion
 body (``{"model", "prompt": [~200 token ids], "max_tokens": 16, "n": 1, "return_token_ids":
-true, "logprobs": 0, "seed"}``) to ``/v1/completions`` until N responses have arrived (or a
-time limit passes). Responses are parsed properly (status line, ``Content-Length`` and
-``Transfer-Encoding: chunked``); any non-200 counts as an error.
+true, "logprobs": 0, "seed"}``; ``"stream": true`` too with ``--stream``) to
+``/v1/completions`` until N responses have arrived (or a time limit passes). Responses are
+parsed properly (status line, ``Content-Length`` and ``Transfer-Encoding: chunked``); any
+non-200 counts as an error, and with ``--stream`` so does a 200 that is not the instant
+upstream's complete SSE stream (``check_stream``).
 
-    python bench/loadgen.py --url http://127.0.0.1:8000 --mode latency --requests 1000
-    python bench/loadgen.py --url http://127.0.0.1:8000 --mode throughput --requests 5000
+Closed loop (``run_load``, no ``--rate``): each connection sends its next request from the
+previous response's callback.
 
-Modes: ``latency`` = 1 in flight; ``throughput`` = ``--concurrency`` (default 64) in flight.
-Prints one JSON object: requests, errors, status counts, elapsed, req/s, latency percentiles
-(ms). ``run_load`` is importable for in-process use.
+Paced open loop (``run_paced``, ``--rate R``): the C connections together offer R req/s.
+Request j (0..N-1) is scheduled at ``start + j / R`` on connection ``j % C``, so each
+connection has its own schedule (interval C/R, start staggered by 1/R) and never more than
+one request in flight. Latency is measured from the *scheduled* send time (no coordinated
+omission). If a connection is still busy at its next slot, that send is *late*: it goes
+out as soon as the response arrives and its latency still counts from the slot. Late sends,
+the achieved rate, in-flight counts and the client's own timer lag are reported, so a front
+that cannot keep up shows as such. Before the schedule starts, every connection sends one
+untimed priming request (first-request-on-connection costs are not measured).
 
-Paced (open-loop) mode, ``--rate R``: the C connections together offer R req/s. Request j
-(0..N-1) is scheduled at ``start + j / R`` on connection ``j % C``, so each connection has
-its own schedule (interval C/R, start staggered by 1/R) and never more than one request in
-flight. Latency is measured from the *scheduled* send time (no coordinated omission). If a
-connection is still busy at its next slot, that send is *late*: it goes out as soon as the
-response arrives and its latency still counts from the slot. Late sends, the achieved rate,
-in-flight counts and the client's own timer lag are reported, so a front that cannot keep up
-shows as such. Before the schedule starts, every connection sends one untimed priming
-request (first-request-on-connection costs are not measured).
+As a process (``python -m bench.lib.load``; ``run_client`` / ``spawn_client`` start it
+pinned to the client CPUs): prints one JSON object, ``summarize``'s fields plus its own CPU
+per request and, with ``--cpu-pid``, the on-CPU time per request of that process's tree
+(``bench.lib.cpu``) over exactly the measured requests (the warm-up runs first, in the same
+process).
 
-    python bench/loadgen.py --url http://127.0.0.1:8000 --rate 300 --concurrency 64 --requests 2400
+    python -m bench.lib.load --url http://127.0.0.1:8000 --concurrency 1 --requests 1000
+    python -m bench.lib.load --url http://127.0.0.1:8000 --rate 300 --requests 2400
 """
 
 from __future__ import annotations
@@ -34,18 +42,28 @@ import contextlib
 import functools
 import json
 import random
+import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import uvloop
 
-__all__ = ["LoadResult", "make_bodies", "run_load", "run_paced", "summarize"]
+from bench.lib import cpu
+from bench.lib.fronts import PY, ROOT, pin
+from bench.lib.upstream import STREAM_TOKENS
+
+__all__ = ["LoadResult", "make_bodies", "run_client", "run_load", "run_paced", "summarize"]
 
 
-def make_bodies(count: int = 64, prompt_tokens: int = 200, seed: int = 0) -> list[bytes]:
+def make_bodies(
+    count: int = 64, prompt_tokens: int = 200, seed: int = 0, *, stream: bool = False
+) -> list[bytes]:
     """Distinct TRL-shaped completion bodies (~1 KB each): 8-request groups share a prompt."""
     rng = random.Random(seed)
     bodies = []
@@ -62,6 +80,8 @@ def make_bodies(count: int = 64, prompt_tokens: int = 200, seed: int = 0) -> lis
             "logprobs": 0,
             "seed": rng.randrange(1 << 30),
         }
+        if stream:
+            body["stream"] = True
         bodies.append(json.dumps(body, separators=(",", ":")).encode())
     return bodies
 
@@ -74,12 +94,15 @@ def _requests(host: str, port: int, path: str, bodies: list[bytes]) -> list[byte
     return [head + str(len(b)).encode() + b"\r\n\r\n" + b for b in bodies]
 
 
-class _ParseError(Exception):
+class ProtocolError(Exception):
     pass
 
 
-def _parse_response(buf: bytearray) -> tuple[int, int] | None:
-    """(status, total bytes consumed) when ``buf`` holds one complete response, else None."""
+def parse_response(buf: bytearray) -> tuple[int, bytes, int] | None:
+    """(status, lower-cased head, bytes consumed) once ``buf`` starts with one whole
+    response, else None. The one response parser of the benchmarks: every client here has
+    one request in flight per connection, so a chunked response is complete only when the
+    buffer ends with the last chunk, and the walk over its chunks runs only then."""
     end = buf.find(b"\r\n\r\n")
     if end < 0:
         return None
@@ -87,9 +110,11 @@ def _parse_response(buf: bytearray) -> tuple[int, int] | None:
     try:
         status = int(head[9:12])
     except ValueError as exc:
-        raise _ParseError(f"bad status line: {head[:40]!r}") from exc
+        raise ProtocolError(f"bad status line: {head[:40]!r}") from exc
     body_start = end + 4
     if b"transfer-encoding:" in head and b"chunked" in head:
+        if not buf.endswith(b"0\r\n\r\n"):
+            return None
         pos = body_start
         while True:
             line_end = buf.find(b"\r\n", pos)
@@ -100,7 +125,7 @@ def _parse_response(buf: bytearray) -> tuple[int, int] | None:
                 # No trailers expected; the last-chunk line is followed by CRLF.
                 if len(buf) < line_end + 4:
                     return None
-                return status, line_end + 4
+                return status, head, line_end + 4
             pos = line_end + 2 + size + 2
             if len(buf) < pos:
                 return None
@@ -110,11 +135,50 @@ def _parse_response(buf: bytearray) -> tuple[int, int] | None:
         line_end = head.find(b"\r\n", marker)
         length = int(head[marker + 15 : line_end if line_end > 0 else None])
     elif status not in (204, 304) and not (100 <= status < 200):
-        raise _ParseError("response without Content-Length or chunked framing")
+        raise ProtocolError("response without Content-Length or chunked framing")
     total = body_start + length
     if len(buf) < total:
         return None
-    return status, total
+    return status, head, total
+
+
+def body_of(message: bytes, head: bytes) -> bytes:
+    """The body of one whole response ``message`` (as ``parse_response`` delimited it and
+    lower-cased its ``head``), de-chunked."""
+    raw = message[len(head) + 4 :]
+    if not (b"transfer-encoding:" in head and b"chunked" in head):
+        return raw
+    out: list[bytes] = []
+    pos = 0
+    while (line_end := raw.find(b"\r\n", pos)) >= 0:
+        size = int(raw[pos:line_end].split(b";", 1)[0], 16)
+        if size == 0:
+            break
+        out.append(raw[line_end + 2 : line_end + 2 + size])
+        pos = line_end + 2 + size + 2
+    return b"".join(out)
+
+
+# Synthetic client-side statuses of a 200 that is not what a stream request needs (they
+# count as errors in ``summarize``).
+STATUS_NOT_A_STREAM = 597  # 200, but not text/event-stream
+STATUS_BROKEN_STREAM = 598  # stream without all token events or without [DONE]
+
+Check = Callable[[int, bytes, bytes], int]
+"""(status, lower-cased head, whole response) -> the status to record."""
+
+
+def check_stream(status: int, head: bytes, message: bytes) -> int:
+    """A 200 to a stream request must be the upstream's complete SSE stream: all
+    ``STREAM_TOKENS`` events and ``data: [DONE]``."""
+    if status != 200:
+        return status
+    if b"text/event-stream" not in head:
+        return STATUS_NOT_A_STREAM
+    body = body_of(message, head)
+    if not body.endswith(b"data: [DONE]\n\n") or body.count(b"data: {") != STREAM_TOKENS:
+        return STATUS_BROKEN_STREAM
+    return status
 
 
 @dataclass
@@ -144,6 +208,7 @@ class _Shared:
         self.payloads = payloads
         self.next_payload = 0
         self.result = LoadResult()
+        self.check: Check | None = None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def take(self) -> bytes | None:
@@ -194,14 +259,16 @@ class _Conn(asyncio.Protocol):
         if not self.busy:
             return
         try:
-            parsed = _parse_response(self.buf)
-        except (_ParseError, ValueError):
+            parsed = parse_response(self.buf)
+        except (ProtocolError, ValueError):
             self._fail()
             return
         if parsed is None:
             return
         now = time.perf_counter()
-        status, consumed = parsed
+        status, head, consumed = parsed
+        if self.shared.check is not None:
+            status = self.shared.check(status, head, bytes(self.buf[:consumed]))
         del self.buf[:consumed]
         self.busy = False
         result = self.shared.result
@@ -240,6 +307,7 @@ class _PacedShared:
         self.live = 0  # connections with slots left
         self.priming = 0
         self.result = LoadResult(paced=True, offered_rps=rate)
+        self.check: Check | None = None
         loop = asyncio.get_running_loop()
         self.primed: asyncio.Future[None] = loop.create_future()
         self.done: asyncio.Future[None] = loop.create_future()
@@ -332,8 +400,8 @@ class _PacedConn(asyncio.Protocol):
         if not self.busy:
             return
         try:
-            parsed = _parse_response(self.buf)
-        except (_ParseError, ValueError):
+            parsed = parse_response(self.buf)
+        except (ProtocolError, ValueError):
             self._lost()
             if self.transport is not None:
                 self.transport.close()
@@ -341,7 +409,9 @@ class _PacedConn(asyncio.Protocol):
         if parsed is None:
             return
         now = time.perf_counter()
-        status, consumed = parsed
+        status, head, consumed = parsed
+        if self.shared.check is not None:
+            status = self.shared.check(status, head, bytes(self.buf[:consumed]))
         del self.buf[:consumed]
         self.busy = False
         result = self.shared.result
@@ -391,6 +461,7 @@ async def run_paced(
     max_seconds: float = 60.0,
     path: str = "/v1/completions",
     bodies: list[bytes] | None = None,
+    check: Check | None = None,
 ) -> LoadResult:
     """Offer ``rate`` req/s in total over ``concurrency`` connections, ``requests`` in all."""
     if rate <= 0:
@@ -400,6 +471,7 @@ async def run_paced(
     payloads = _requests(host, port, path, bodies or make_bodies())
     loop = asyncio.get_running_loop()
     shared = _PacedShared(rate, concurrency, time.perf_counter() + max_seconds, payloads)
+    shared.check = check
     conns: list[_PacedConn] = []
     for i in range(concurrency):
         count = len(range(i, requests, concurrency))
@@ -443,6 +515,7 @@ async def run_load(
     max_seconds: float = 60.0,
     path: str = "/v1/completions",
     bodies: list[bytes] | None = None,
+    check: Check | None = None,
 ) -> LoadResult:
     """Drive ``requests`` requests over ``concurrency`` keep-alive connections."""
     parts = urlsplit(url)
@@ -450,6 +523,7 @@ async def run_load(
     payloads = _requests(host, port, path, bodies or make_bodies())
     loop = asyncio.get_running_loop()
     shared = _Shared(requests, time.perf_counter() + max_seconds, payloads)
+    shared.check = check
     conns: list[_Conn] = []
     for _ in range(concurrency):
         _, proto = await loop.create_connection(lambda: _Conn(shared, True), host, port)
@@ -524,63 +598,148 @@ def summarize(result: LoadResult) -> dict[str, object]:
     return out
 
 
-async def _main_async(args: argparse.Namespace) -> dict[str, object]:
-    concurrency = 1 if args.mode == "latency" else args.concurrency
-    bodies = make_bodies(seed=args.seed)
-    if args.warmup:
-        await run_load(
-            args.url,
-            concurrency=concurrency,
-            requests=args.warmup,
-            max_seconds=args.max_seconds,
-            path=args.path,
-            bodies=bodies,
-        )
+async def _measure(args: argparse.Namespace) -> dict[str, object]:
+    bodies = make_bodies(seed=args.seed, stream=args.stream)
+    check = check_stream if args.stream else None
+    load = functools.partial(
+        run_load, args.url, concurrency=args.concurrency, path=args.path, bodies=bodies, check=check
+    )
+    warmed = 0
+    if args.start_at:  # closed loop, untimed, until just before the common start
+        if (warm := args.start_at - time.time()) > 0.1:
+            res = await load(requests=1 << 40, max_seconds=warm - 0.05)
+            warmed = len(res.latencies_s)
+            if res.transport_errors or sum(res.statuses.values()) != res.statuses.get(200, 0):
+                warmed = -1  # reported; the measured run counts its own errors
+        await asyncio.sleep(max(0.0, args.start_at - time.time()))
+    elif args.warmup:
+        await load(requests=args.warmup, max_seconds=args.max_seconds)
+    started, t0, own0 = time.time(), time.perf_counter(), time.process_time()
+    front0 = cpu.tree_ns(args.cpu_pid) if args.cpu_pid else {}
+    split0 = cpu.stat(args.cpu_pid) if args.cpu_pid else None
+    if args.announce:
+        print("started", file=sys.stderr, flush=True)
     if args.rate:
         result = await run_paced(
             args.url,
             rate=args.rate,
-            concurrency=concurrency,
+            concurrency=args.concurrency,
             requests=args.requests,
             max_seconds=args.max_seconds,
             path=args.path,
             bodies=bodies,
+            check=check,
         )
     else:
-        result = await run_load(
-            args.url,
-            concurrency=concurrency,
-            requests=args.requests,
-            max_seconds=args.max_seconds,
-            path=args.path,
-            bodies=bodies,
-        )
+        result = await load(requests=args.requests, max_seconds=args.max_seconds)
+    wall, own = time.perf_counter() - t0, time.process_time() - own0
     out = summarize(result)
-    mode = f"paced@{args.rate:g}" if args.rate else args.mode
-    out.update(mode=mode, concurrency=concurrency, url=args.url)
+    done = len(result.latencies_s) + result.transport_errors
+    # The client's own cost: it shares its CPU with the upstreams (the harness's headroom).
+    out["client_cpu_us_per_req"] = round(own * 1e6 / max(1, done), 1)
+    out["client_busy"] = round(own / result.elapsed_s, 3) if result.elapsed_s > 0 else 0.0
+    out.update(
+        started_at=started,
+        warmup_requests=warmed,
+        url=args.url,
+        rate=args.rate,
+        stream=args.stream,
+        concurrency=args.concurrency,
+    )
+    if args.lat_out:
+        import array
+
+        with args.lat_out.open("wb") as f:
+            array.array("d", result.latencies_s).tofile(f)
+    if args.cpu_pid:
+        front1 = cpu.tree_ns(args.cpu_pid)
+        used = sum(front1[p] - front0[p] for p in front1.keys() & front0.keys())
+        served = max(1, done + result.primed)
+        # Window = the whole run incl. connect + priming (~0.1 s): util reads slightly low.
+        out["front_cpu_util"] = round(used / 1e9 / wall, 3)
+        out["front_cpu_us_per_req"] = round(used / 1000 / served, 1)
+        # Where it went: user space (the front's own code) or the kernel (syscalls,
+        # loopback TCP). Clock ticks (10 ms): meaningful over whole runs only.
+        split1 = cpu.stat(args.cpu_pid)
+        if split0 and split1:
+            out["front_user_us_per_req"] = round((split1[1] - split0[1]) * 1e6 / served, 1)
+            out["front_sys_us_per_req"] = round((split1[2] - split0[2]) * 1e6 / served, 1)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--path", default="/v1/completions")
-    parser.add_argument("--mode", choices=("latency", "throughput"), default="throughput")
-    parser.add_argument("--concurrency", type=int, default=64, help="in flight (throughput)")
-    parser.add_argument("--requests", type=int, default=5000)
+    parser.add_argument("--concurrency", type=int, default=64, help="connections")
+    parser.add_argument("--requests", type=int, default=1 << 40, help="measured requests")
+    parser.add_argument("--max-seconds", type=float, default=60.0, help="measured run's limit")
+    parser.add_argument("--rate", type=float, default=0.0, help="paced: total req/s; 0: closed")
+    parser.add_argument("--stream", action="store_true", help='"stream": true, checked SSE')
+    parser.add_argument("--warmup", type=int, default=0, help="closed-loop requests first")
     parser.add_argument(
-        "--rate",
+        "--start-at",
         type=float,
         default=0.0,
-        help="paced open-loop mode: total offered req/s over the connections (0 = closed loop)",
+        help="time.time() to start measuring at; closed-loop warm-up until then",
     )
-    parser.add_argument("--warmup", type=int, default=0, help="untimed requests first")
-    parser.add_argument("--max-seconds", type=float, default=60.0, help="time limit per run")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    out = uvloop.run(_main_async(args))
-    json.dump(out, sys.stdout)
-    sys.stdout.write("\n")
+    parser.add_argument("--cpu-pid", type=int, default=0, help="report this tree's CPU use")
+    parser.add_argument("--lat-out", type=Path, help="write the latencies here (float64 s)")
+    parser.add_argument("--announce", action="store_true", help="print 'started' to stderr")
+    return parser
+
+
+def client_argv(url: str, **opts: object) -> list[str]:
+    """``python -m bench.lib.load --url URL`` with ``opts`` as flags (``cpu_pid=7`` ->
+    ``--cpu-pid 7``; True -> a bare flag; False/None/0 -> left out)."""
+    argv = [PY, "-m", "bench.lib.load", "--url", url]
+    for key, value in opts.items():
+        if value is None or value is False or (value == 0 and key != "seed"):
+            continue
+        argv.append("--" + key.replace("_", "-"))
+        if value is not True:
+            argv.append(str(value))
+    return argv
+
+
+def spawn_client(url: str, cpus: set[int] | None, **opts: object) -> subprocess.Popen[bytes]:
+    """The client in a child process pinned to ``cpus`` (``collect`` reads its result)."""
+    return subprocess.Popen(
+        client_argv(url, **opts),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        preexec_fn=pin(cpus),
+    )
+
+
+def collect(child: subprocess.Popen[bytes], timeout: float) -> dict[str, object]:
+    """The JSON result of a ``spawn_client`` child; kills it and raises if it fails."""
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate(timeout=10)
+        raise RuntimeError(f"load client {child.pid} timed out after {timeout:g} s") from None
+    try:
+        result: dict[str, object] = json.loads(stdout.decode().strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError) as exc:
+        raise RuntimeError(f"load client failed: {stderr.decode()[-2000:]}") from exc
+    return result
+
+
+def run_client(url: str, cpus: set[int] | None, **opts: object) -> dict[str, Any]:
+    """``spawn_client`` + ``collect``, bounded by twice the run's ``max_seconds`` + 30 s."""
+    limit = 2 * float(opts.get("max_seconds", 60.0)) + 30  # type: ignore[arg-type]
+    return collect(spawn_client(url, cpus, **opts), limit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out = uvloop.run(_measure(args))
+    sys.stdout.write(json.dumps(out) + "\n")
     return 0 if out["errors"] == 0 else 1
 
 
