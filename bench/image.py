@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,22 +31,23 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from rollout_testbed.procs import LOCAL, Proc, free_port, free_ports, sim_argv
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # run by path: bench.lib
 
-from tests.container._podman import (  # noqa: E402
+from bench.lib.podman import (  # noqa: E402
     build_image,
     container,
+    gateway_flags,
     inspect,
     podman,
-    replica_cmd,
     run_python,
+    secret_file,
 )
-from tests.container.test_image import gateway_flags, secret_file  # noqa: E402
-from tests.deploy._proc import free_port, process  # noqa: E402
+from bench.lib.report import git  # noqa: E402
 
-REPLICA_ARGS = ("--latency-model", "prefill=0,decode=0.02,concurrency=0")
+REPLICA_LATENCY = "prefill=0,decode=0.02,concurrency=0"
 
 
 def _mb(n: float) -> float:
@@ -106,15 +106,15 @@ def _until(url: str, timeout: float = 60) -> float:
 def startup_and_drain(image: str, runs: int, tmp: Path) -> dict[str, Any]:
     token = "hf_bench_" + str(time.time_ns())
     secret_dir = secret_file(tmp / "hf", token)
-    ports = [free_port(), free_port()]
     starts: list[dict[str, float]] = []
     drains: list[dict[str, Any]] = []
-    with (
-        process(replica_cmd(ports[0], secret_dir / "token", *REPLICA_ARGS)),
-        process(replica_cmd(ports[1], secret_dir / "token", *REPLICA_ARGS)),
-    ):
-        replicas = [f"http://127.0.0.1:{p}" for p in ports]
-        time.sleep(2)
+    sims = [Proc(f"sim-{i}", sim_argv(port, latency=REPLICA_LATENCY), tmp / f"sim-{i}.log",
+                 cwd=REPO, url=f"http://{LOCAL}:{port}", new_session=False)
+            for i, port in enumerate(free_ports(2))]  # fmt: skip
+    with sims[0], sims[1]:
+        for sim in sims:
+            sim.wait_http("/health", timeout=60)
+        replicas = [sim.url for sim in sims]
         for _ in range(runs):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
@@ -216,7 +216,7 @@ def main() -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "podman": podman("--version").stdout.split()[-1],
         "image": image,
-        "commit": _git("rev-parse", "--short", "HEAD"),
+        "commit": git("rev-parse", "--short", "HEAD"),
         "base": _base(),
         "build_or_reuse_s": round(build_s, 1),
         "user": config["User"],
@@ -228,11 +228,6 @@ def main() -> int:
     (args.out_dir / "image.md").write_text(markdown(result))
     print(markdown(result))
     return 0
-
-
-def _git(*args: str) -> str:
-    res = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False)
-    return res.stdout.strip()
 
 
 def _base() -> str:
