@@ -10,8 +10,7 @@ import contextlib
 import os
 import signal
 import socket
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from gateway.fleet.discovery import (
 from gateway.fleet.replicas import ReplicaPool
 from gateway.routing.policy import PrefixAffinityRouter
 from tests.deploy.tools import ensure_tools
+from tests.eventually import eventually
 
 # The first test to need promtool/hadolint/... may install them (ensure_tools.sh).
 pytestmark = pytest.mark.timeout(600)
@@ -223,12 +223,18 @@ async def sim_at(host: str, port: int) -> AsyncIterator[Any]:
         yield app.state.sim
 
 
-async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
+def _count_rounds(gw: Gateway) -> list[int]:
+    """Count discovery rounds: each one hands its list to ``apply_membership``, which the
+    lifespan looks up when it starts discovery (so call this before ``serve_asgi``)."""
+    rounds = [0]
+    apply = gw.apply_membership
+
+    async def counted(desired: Sequence[ReplicaSpec]) -> None:
+        rounds[0] += 1
+        await apply(desired)
+
+    gw.apply_membership = counted  # type: ignore[method-assign]
+    return rounds
 
 
 def _members(gw: Gateway) -> dict[int, str]:
@@ -284,17 +290,17 @@ async def test_dns_discovery_follows_records_and_moves_traffic(dnslib: Any) -> N
                 traffic = asyncio.create_task(rollouts())
                 await asyncio.sleep(0.2)
                 zone.records["vllm.test"] = ["127.0.0.2", "127.0.0.3"]
-                await _until(lambda: _members(gw) == {0: a, 1: b}, "the pool to add b")
-                await _until(lambda: gw.pool[1].up and _synced(gw, 1), "b admitted and synced")
+                await eventually(lambda: _members(gw) == {0: a, 1: b}, "the pool to add b")
+                await eventually(lambda: gw.pool[1].up and _synced(gw, 1), "b admitted and synced")
                 assert "policy-v1" in sim_b.adapters  # reconciled: the live adapter replayed
-                await _until(lambda: served.get("1", 0) >= 5, "traffic on the new replica")
+                await eventually(lambda: served.get("1", 0) >= 5, "traffic on the new replica")
                 stop.set()
                 await traffic
                 assert gw.router.ring.members == frozenset({0, 1})  # type: ignore[attr-defined]
 
                 # Remove a's record: a leaves the pool; everything goes to b.
                 zone.records["vllm.test"] = ["127.0.0.3"]
-                await _until(lambda: _members(gw) == {1: b}, "the pool to drop a")
+                await eventually(lambda: _members(gw) == {1: b}, "the pool to drop a")
                 assert gw.router.ring.members == frozenset({1})  # type: ignore[attr-defined]
                 for i in range(6):
                     body = {"model": "policy-v1", "prompt": f"after {i}", "max_tokens": 2}
@@ -307,11 +313,11 @@ async def test_dns_discovery_follows_records_and_moves_traffic(dnslib: Any) -> N
                 # A failed lookup keeps the last answer; a's address back -> its old index.
                 zone.records.pop("vllm.test")
                 seen = zone.queries
-                await _until(lambda: zone.queries > seen + 4, "more lookups")
+                await eventually(lambda: zone.queries > seen + 4, "more lookups")
                 assert _members(gw) == {1: b}
                 zone.records["vllm.test"] = ["127.0.0.3", "127.0.0.2"]
-                await _until(lambda: _members(gw) == {0: a, 1: b}, "a back under index 0")
-                await _until(lambda: gw.pool[0].up and _synced(gw, 0), "a re-admitted")
+                await eventually(lambda: _members(gw) == {0: a, 1: b}, "a back under index 0")
+                await eventually(lambda: gw.pool[0].up and _synced(gw, 0), "a re-admitted")
                 assert (await c.get("/health")).status_code == 200
 
 
@@ -328,13 +334,17 @@ async def test_replicas_file_reload_on_change_and_on_sighup(tmp_path: Path) -> N
         )
         app = create_app(settings)
         gw: Gateway = app.state.gateway
+        rounds = _count_rounds(gw)
         async with serve_asgi(app):
             assert _members(gw) == {0: a}
             listing.write_text(f"# two now\n{a}\n{b}\n")
-            await _until(lambda: _members(gw) == {0: a, 1: b}, "file change picked up")
-            await _until(lambda: gw.pool[1].up, "b admitted")
+            await eventually(lambda: _members(gw) == {0: a, 1: b}, "file change picked up")
+            await eventually(lambda: gw.pool[1].up, "b admitted")
             listing.unlink()  # an unreadable file keeps the last list
-            await asyncio.sleep(0.4)
+            # Two whole rounds after the unlink (the first may have begun before it) each
+            # found no file: had a missing file emptied the list, it would show by now.
+            after_unlink = rounds[0]
+            await eventually(lambda: rounds[0] >= after_unlink + 2, "two discovery rounds")
             assert _members(gw) == {0: a, 1: b}
 
         # SIGHUP: re-read at once, long before the next interval.
@@ -344,13 +354,17 @@ async def test_replicas_file_reload_on_change_and_on_sighup(tmp_path: Path) -> N
         )
         app = create_app(settings)
         gw = app.state.gateway
+        rounds = _count_rounds(gw)
         async with serve_asgi(app):
             listing.write_text(f"{b}\n")
-            await asyncio.sleep(0.3)
-            assert _members(gw) == {0: a}  # no poll for an hour
+            assert _members(gw) == {0: a}
             os.kill(os.getpid(), signal.SIGHUP)
-            await _until(lambda: _members(gw) == {1: b}, "SIGHUP reload")
-            await _until(lambda: gw.pool[1].up, "b admitted")
+            await eventually(lambda: _members(gw) == {1: b}, "SIGHUP reload")
+            await eventually(lambda: gw.pool[1].up, "b admitted")
+            # It was the SIGHUP's round, the only one: no poll for an hour. (Counted, not
+            # waited for: a quiet wait proves nothing about a poll that comes later; a
+            # gateway that polled at start or kept polling would count more than one.)
+            assert rounds[0] == 1, rounds
 
 
 async def test_system_resolver_path_resolves_localhost() -> None:

@@ -47,7 +47,17 @@ CHUNKED = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
 HEALTH = b"GET /health HTTP/1.1\r\nhost: gw\r\n\r\n"
 REFUSAL = b"Invalid HTTP request received."  # uvicorn's 400 for what its parser refuses
 PER_REQUEST = frozenset({b"date", b"x-request-id"})
-QUIET_S = 0.3  # after the expected answers: how long to wait for anything extra
+# After the expected answers, a connection meant to stay open gets one more request, this
+# one: its answer (a rollout of MARKER_TOKENS tokens, which no case asks for) is the
+# positive marker that anything extra the server had to say, an answer or a close, has
+# been said -- responses come in order. (A quiet wait instead passed whenever the extra
+# thing was merely late.) A rollout, so that the fast path keeps the connection.
+MARKER_TOKENS = 7
+_MARKER_BODY = json.dumps({"model": "tiny-base", "prompt": [1], "max_tokens": MARKER_TOKENS})
+MARKER = (
+    b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\n\r\n%s" % (len(_MARKER_BODY), _MARKER_BODY.encode())
+)
 DEADLINE_S = 15.0  # per conversation, the whole exchange
 
 
@@ -86,10 +96,11 @@ class Case:
     name: str
     steps: Sequence[Step]
     expect: list[int]  # the fast path's statuses, in order
-    closed: bool  # the fast path closes the connection (within the quiet window)
+    closed: bool  # the fast path closes the connection (before answering MARKER)
     fast: bool | None  # the fast path served it without handing it to uvicorn (None: either)
     half_close: bool = False  # shutdown(SHUT_WR) after the steps
     drops_answer: bool = False  # the deliberate difference (module docstring)
+    reading: bool = False  # the server is still reading the request: MARKER's bytes join it
 
 
 BIG_HEAD = post(extra=b"x-big: " + b"a" * (70 << 10) + b"\r\n")
@@ -166,7 +177,8 @@ CORPUS = [
     Case("upgrade_h2c", [post(extra=b"connection: upgrade\r\nupgrade: h2c\r\n")],
          [400], False, False),
     Case("http2_preface", [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"], [400], True, False),
-    Case("http09", [b"GET /health\r\n"], [], False, False),  # both wait for a request line
+    # Both wait for a request line: nothing until more bytes come (MARKER's), then a 400.
+    Case("http09", [b"GET /health\r\n"], [], False, False, reading=True),
     # -- heads over 64 KiB (the app's limit is 16 KiB: 431) ---------------------------
     Case("head_40kib_parsed_by_the_fast_path",
          [post(extra=b"x-big: " + b"a" * (40 << 10) + b"\r\n")], [431], False, True),
@@ -215,6 +227,7 @@ class Outcome:
     answers: list[Answer] = field(default_factory=list)
     closed: bool = False
     port: int = 0  # the client's port (which connection uvicorn was handed)
+    after_marker: list[Answer] = field(default_factory=list)  # ``reading`` cases only
     garbled: str | None = None  # the response bytes did not parse
 
 
@@ -250,9 +263,15 @@ def _normalized(body: bytes) -> Any:
     return data
 
 
+def _is_marker(answer: Answer) -> bool:
+    status, _, body = answer
+    usage = body.get("usage") if isinstance(body, dict) else None
+    return status == 200 and isinstance(usage, dict) and usage.get("completion_tokens") == 7
+
+
 async def converse(port: int, case: Case) -> Outcome:
-    """Play ``case`` on a new connection; every answer until the server closes, or until
-    the expected answers are in and nothing more came for ``QUIET_S``."""
+    """Play ``case`` on a new connection; every answer until the server closes (a case
+    that expects a close), or until the answer to ``MARKER`` (one that does not)."""
     outcome = Outcome()
     parser = _Parser(outcome)
     arrived = asyncio.Event()
@@ -276,6 +295,7 @@ async def converse(port: int, case: Case) -> Outcome:
             arrived.set()
 
     reading = asyncio.create_task(read())
+    sent_marker_after: int | None = None
     try:
         async with asyncio.timeout(DEADLINE_S):
             for step in case.steps:
@@ -290,18 +310,30 @@ async def converse(port: int, case: Case) -> Outcome:
                     await writer.drain()
             if case.half_close:
                 writer.get_extra_info("socket").shutdown(socket.SHUT_WR)
-            while not outcome.closed:
-                arrived.clear()
-                if len(outcome.answers) >= len(case.expect):
-                    try:
-                        await asyncio.wait_for(arrived.wait(), QUIET_S)
-                    except TimeoutError:
-                        break
-                else:
+            elif not case.closed:
+                while len(outcome.answers) < len(case.expect) and not outcome.closed:
+                    arrived.clear()
                     await arrived.wait()
+                if not outcome.closed:
+                    sent_marker_after = len(outcome.answers)
+                    writer.write(MARKER)
+                    await writer.drain()
+            while not outcome.closed and not any(map(_is_marker, outcome.answers)):
+                arrived.clear()
+                await arrived.wait()
+    except TimeoutError:
+        pass  # a close or a marker that never came: the test compares what did
     finally:
         reading.cancel()
         writer.close()
+    if case.reading and sent_marker_after is not None:
+        # What came after MARKER was about its bytes joined to the case's (never the
+        # marker's own 200): kept apart, and the close it brought is not the case's.
+        outcome.after_marker = outcome.answers[sent_marker_after:]
+        del outcome.answers[sent_marker_after:]
+        outcome.closed = False
+    elif outcome.answers and _is_marker(outcome.answers[-1]):
+        outcome.answers.pop()
     return outcome
 
 
@@ -368,6 +400,9 @@ async def test_same_framing_decision(
         if status == 200 and body and not isinstance(body, bytes):
             assert body["object"] == "text_completion", body
             assert (b"x-gateway-replica", b"0") in headers
+    if case.reading:  # still reading when MARKER came: it completed a request to refuse
+        for side in (lean, plain):
+            assert [a[0] for a in side.after_marker] == [400], side.after_marker
     # the same decision as plain uvicorn
     assert plain.closed == lean.closed
     if case.drops_answer:

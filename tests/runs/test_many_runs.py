@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ from rollout_testbed.sim.latency import LatencyModel
 from gateway.app import create_app
 from gateway.config import ReplicaSpec, load_settings
 from gateway.runs.table import owner_of
+from gateway.runs.tenancy import Tenant
 from tests.cluster import Cluster, cluster, sims
+from tests.eventually import eventually
 
 RUNS = ("run-a", "run-b", "run-c")
 COMPLETION = {"prompt": [1, 2, 3], "max_tokens": 2}
@@ -74,7 +77,8 @@ async def test_runs_publish_the_same_names_without_colliding(tmp_path: Path) -> 
                         r.text
                         == f"Success: LoRA adapter 'trl-policy-v{version}' added successfully."
                     )
-        await _until(lambda: all(len(replica_names(c, i)) <= 6 for i in (0, 1)))
+        await eventually(lambda: all(len(replica_names(c, i)) <= 6 for i in (0, 1)),
+                         "evictions back within 6 adapters per replica")  # fmt: skip
         for index in (0, 1):
             names = replica_names(c, index)
             assert len(names) <= 6, names  # the budget
@@ -94,7 +98,8 @@ async def test_runs_publish_the_same_names_without_colliding(tmp_path: Path) -> 
         for index in (0, 1):
             expected = {f"{run}~trl-policy-v{v}" for run in RUNS if index in placed[run]
                         for v in (2, 3)}  # fmt: skip
-            await _until(lambda i=index, e=expected: set(replica_names(c, i)) == e)
+            await eventually(partial(_holds, c, index, expected),
+                             f"replica {index} holding {sorted(expected)}")  # fmt: skip
 
 
 async def test_streams_carry_the_runs_own_name(tmp_path: Path) -> None:
@@ -152,9 +157,14 @@ async def test_one_runs_pause_does_not_stop_another_run(tmp_path: Path) -> None:
     async with shared(tmp_path) as c, as_run(c, "run-a") as a, as_run(c, "run-b") as b:
         body = {**COMPLETION, "model": "tiny-base"}
         assert (await a.post("/pause", params={"mode": "keep"})).json() == {"status": "paused"}
+        sent_before = _sent_to_replicas(c)
         held = asyncio.ensure_future(a.post("/v1/completions", json=body))
+        # Positive markers first: run-a's rollout is in the gateway (counted), and then a
+        # whole run-b rollout went through the same gateway and a replica. A run-a rollout
+        # that was not held would have reached its replica by then, in far fewer steps.
+        await eventually(lambda: _run(c, "run-a").in_flight == 1, "run-a's rollout admitted")
         assert (await b.post("/v1/completions", json=body)).status_code == 200  # not frozen
-        await asyncio.sleep(0.3)
+        assert _sent_to_replicas(c) == sent_before + 1  # run-b's only
         assert not held.done()  # run-a's new rollout waits for run-a's /resume
         assert c.gateway.status()["runs"][0]["paused"] is True
         assert not any(c.sim(i).paused for i in (0, 1))  # no replica was paused
@@ -175,7 +185,7 @@ async def test_pause_wait_returns_when_the_runs_rollouts_are_done(tmp_path: Path
     async with shared(tmp_path, sim_config=slow) as c, as_run(c, "run-a") as a:
         body = {**COMPLETION, "model": "tiny-base"}
         running = asyncio.ensure_future(a.post("/v1/completions", json=body))
-        await _until(lambda: c.gateway.tenancy.tenants["run-a"].in_flight == 1)
+        await eventually(lambda: _run(c, "run-a").in_flight == 1, "run-a's rollout admitted")
         assert (await a.post("/pause", params={"mode": "wait"})).status_code == 200
         assert running.done() and (await running).status_code == 200
         r = await a.post("/pause", params={"mode": "sideways"})
@@ -239,11 +249,17 @@ async def test_per_run_metrics_and_status(tmp_path: Path) -> None:
         assert "key-run" not in metrics and "the-admin" not in metrics
 
 
-async def _until(predicate: Any, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
+def _holds(c: Cluster, index: int, names: set[str]) -> bool:
+    return set(replica_names(c, index)) == names
+
+
+def _run(c: Cluster, name: str) -> Tenant:
+    return c.gateway.tenancy.tenants[name]
+
+
+def _sent_to_replicas(c: Cluster) -> int:
+    """Completions the sims received, all runs together."""
+    return sum(c.sim(i).stats.requests_by_model.total() for i in range(len(c.replicas)))
 
 
 async def test_replicas_leaving_and_joining_re_place_the_runs(tmp_path: Path) -> None:
