@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout_testbed.sim.prefix_cache import BlockPrefixCache
 
+from bench.lib.report import pyplot
 from gateway.routing.policy import (
     CandidateLoads,
     Decision,
@@ -576,10 +577,8 @@ def write_markdown(data: dict[str, Any], path: Path) -> None:
 
 
 def write_plot(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    if (plt := pyplot()) is None:
+        return
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, metric, title in zip(

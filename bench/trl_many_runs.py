@@ -45,6 +45,8 @@ for _path in (REPO, REPO / "testbed"):  # run from the tree with the vLLM venv's
 from rollout_testbed.trl import harness as H  # noqa: E402
 from rollout_testbed.trl import many_runs as M  # noqa: E402
 
+from bench.lib.report import pyplot  # noqa: E402
+
 RESULTS = REPO / "bench" / "results"
 WORK = H.TRL_DIR / "bench-many-runs"
 MODES = ("alone", "fleet", "scoped")
@@ -251,13 +253,8 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         "",
     ]
     (RESULTS / "trl-many-runs.md").write_text("\n".join(md))
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib missing: no trl-many-runs.png", file=sys.stderr)
+    if (plt := pyplot()) is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in results:

@@ -48,6 +48,8 @@ for _path in (REPO, REPO / "testbed"):  # run from the tree with the vLLM venv's
 
 from rollout_testbed.trl import harness as H  # noqa: E402
 
+from bench.lib.report import pyplot  # noqa: E402
+
 RESULTS = REPO / "bench" / "results"
 WORK = H.TRL_DIR / "bench"
 ROUTER_BIN = REPO / ".venv" / "bin" / "vllm-router"
@@ -368,10 +370,8 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         "",
     ]
     (RESULTS / "trl-side-by-side.md").write_text("\n".join(md))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    if (plt := pyplot()) is None:
+        return
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in results:

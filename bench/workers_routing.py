@@ -69,6 +69,7 @@ if str(HERE) not in sys.path:  # run as a script this is already the case
 
 import routing as sim  # noqa: E402  (bench/routing.py; it puts the repo root on sys.path)
 
+from bench.lib.report import pyplot  # noqa: E402
 from gateway.routing.config import RoutingConfig  # noqa: E402
 from gateway.routing.fleet import FleetLoads  # noqa: E402
 from gateway.routing.index import IndexStats, PrefixIndex  # noqa: E402
@@ -837,12 +838,8 @@ def write_markdown(data: dict[str, Any], path: Path) -> None:
 
 
 def write_plot(data: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
+    if (plt := pyplot()) is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     metrics = (
