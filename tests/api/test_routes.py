@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tests.cluster import cluster
 from tests.conftest import ADMIN_KEY, CLIENT_KEY, UPSTREAM_TOKEN
+from tests.eventually import eventually
 
 COMPLETION = {"model": "tiny-base", "prompt": [5, 6, 7, 8], "max_tokens": 4}
 
@@ -87,10 +88,7 @@ async def test_lora_load_and_unload_reach_every_replica() -> None:
         assert gen.status_code == 200
         r = await client.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"})
         assert r.status_code == 200  # acknowledged at once, applied once nothing is in flight
-        for _ in range(100):
-            if all(c.sim(i).stats.unloads for i in range(2)):
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: all(c.sim(i).stats.unloads for i in range(2)), "both unloads")
         assert [c.sim(i).stats.unloads for i in range(2)] == [["trl-policy-v1"]] * 2
 
 
@@ -116,10 +114,7 @@ async def test_health_fans_in() -> None:
     async with cluster(2) as c, httpx.AsyncClient(base_url=c.url) as client:
         assert (await client.get("/health")).status_code == 200
         c.sim(1).faults.health_status = 503
-        for _ in range(100):
-            if not c.gateway.pool[1].up:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: not c.gateway.pool[1].up, "replica 1 ejected by its probes")
         r = await client.get("/health")
         assert r.status_code == 503
         assert "down: [1]" in r.json()["error"]["message"]

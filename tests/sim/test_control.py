@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -12,16 +11,9 @@ from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.latency import LatencyModel
 from rollout_testbed.sim.testing import SimURL, running_sim
 
+from tests.eventually import eventually
+
 BODY = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 3}
-
-
-async def _until(cond: Callable[[], bool]) -> None:
-    """Yield to the loop until ``cond`` holds (bounded; no timing assertion)."""
-    for _ in range(2000):
-        if cond():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition never became true")
 
 
 async def test_pause_keep_holds_new_requests_until_resume(
@@ -31,7 +23,7 @@ async def test_pause_keep_holds_new_requests_until_resume(
     assert r.status_code == 200 and r.json() == {"status": "paused"}
     assert (await client.get("/is_paused")).json() == {"is_paused": True}
     task = asyncio.create_task(client.post("/v1/completions", json=BODY))
-    await _until(lambda: sim.sim.waiting == 1)
+    await eventually(lambda: sim.sim.waiting == 1, "the request held (waiting)")
     metrics = (await client.get("/metrics")).text
     assert 'vllm:num_requests_waiting{engine="0",model_name="tiny-base"} 1.0' in metrics
     assert not task.done()
@@ -132,7 +124,7 @@ async def test_permanent_fault_until_cleared(sim: SimURL, client: httpx.AsyncCli
 async def test_hang_until_cleared(sim: SimURL, client: httpx.AsyncClient) -> None:
     sim.sim.faults.completion_hang = 1
     task = asyncio.create_task(client.post("/v1/completions", json=BODY))
-    await _until(lambda: sim.sim.stats.requests_by_model["tiny-base"] == 1)
+    await eventually(lambda: sim.sim.stats.requests_by_model["tiny-base"] == 1, "the request in")
     assert not task.done()
     sim.sim.clear_faults()
     assert (await task).status_code == 200
@@ -168,7 +160,7 @@ async def test_unload_keeps_in_flight_requests(client: httpx.AsyncClient) -> Non
         task = asyncio.create_task(
             c.post("/v1/completions", json={**BODY, "model": "a", "max_tokens": 10})
         )
-        await _until(lambda: url.sim.running == 1)
+        await eventually(lambda: url.sim.running == 1, "the request generating")
         assert (await c.post("/v1/unload_lora_adapter", json={"lora_name": "a"})).status_code == 200
         r = await task
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10

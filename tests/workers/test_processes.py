@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import httpx
 import pytest
 from rollout_testbed.procs import SimFleet, sim_fleet
 
+from tests.eventually import eventually
 from tests.faults.procs import metric
 
 CONNECTIONS = 16  # spread over 2 workers by SO_REUSEPORT: all on one is 2^-15 likely
@@ -88,15 +88,11 @@ async def _exited(f: SimFleet) -> bool:
     return not f.gateway.alive
 
 
-async def _until(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, AssertionError, OSError):
-            value = await check()
-            if value:
-                return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+async def _until(check: Any, what: str) -> Any:
+    """``eventually``, where a check may meet a process mid-restart (refused, a 503)."""
+    return await eventually(
+        check, what, interval=0.1, ignore=(httpx.HTTPError, AssertionError, OSError)
+    )
 
 
 async def test_two_workers_serve_one_port_and_report_as_one_gateway(tmp_path: Path) -> None:
@@ -166,7 +162,7 @@ async def test_a_killed_worker_is_restarted_and_the_other_keeps_its_connections(
             pids = [w["pid"] for w in (await _status(f))["workers"]]
             return len(pids) == 2 and victim not in pids
 
-        await _until(restarted, 15, "worker 0 restarted")
+        await _until(restarted, "worker 0 restarted")
         fresh = [await Conn.open(f.url) for _ in range(CONNECTIONS)]
         answers = await asyncio.gather(*(c.post("/v1/completions", body) for c in fresh))
         assert [s for s, _, _ in answers] == [200] * CONNECTIONS
@@ -194,7 +190,7 @@ async def test_a_killed_owner_is_restarted_while_the_workers_keep_serving(tmp_pa
                 status = await _status(f)
                 return status["owner_pid"] != owner and len(status["workers"]) == 2
 
-            await _until(new_owner, 20, "the owner restarted and both workers rejoined")
+            await _until(new_owner, "the owner restarted and both workers rejoined")
             r = await _load(client, "p-v3", "/adapters/3")
             assert r.status_code == 200, r.text
             for model in ("p-v1", "p-v3"):  # adopted from the replicas, and the new one
@@ -210,11 +206,11 @@ async def test_sigterm_drains_every_worker_and_exits_0(tmp_path: Path) -> None:
         conns = [await Conn.open(f.url) for _ in range(8)]
         body = httpx.Request("POST", "/", json={**COMPLETION, "max_tokens": 40}).content  # ~0.8 s
         sent = [asyncio.ensure_future(c.post("/v1/completions", body)) for c in conns]
-        await _until(lambda: _running(f, 8), 10, "all 8 generating on the replicas")
+        await _until(lambda: _running(f, 8), "all 8 generating on the replicas")
         f.gateway.signal(signal.SIGTERM)
         answers = await asyncio.gather(*sent)
         assert [s for s, _, _ in answers] == [200] * 8  # finished, not cut
-        await _until(lambda: _exited(f), 20, "the supervisor to exit")
+        await _until(lambda: _exited(f), "the supervisor to exit")
         assert f.gateway.returncode == 0
         for pid in pids:
             with pytest.raises(ProcessLookupError):
