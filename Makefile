@@ -17,9 +17,9 @@ help:
 	@echo "make test-fast - unit + integration tests only (no real vLLM, no containers)"
 	@echo "make image  - build the sidecar image as localhost/rollout-gateway:dev (podman)"
 	@echo "make test-container - build the image (cached) and test it as a container"
-	@echo "make bench  - the quick ones: bench-overhead, bench-routing (~12 min)"
+	@echo "make bench  - bench-overhead and bench-routing (gateway venv only, ~20 min)"
 	@echo "  each bench-* target rewrites exactly its own files in bench/results/:"
-	@echo "make bench-overhead  - added latency and req/s vs vllm-router (overhead.*, <= 5 min)"
+	@echo "make bench-overhead  - added latency and req/s vs vllm-router, BASE's gateway too (overhead.*, ~14 min)"
 	@echo "make bench-routing   - GRPO co-location and hit rate, simulated (routing.*, ~7 min)"
 	@echo "make bench-routing-vllm - prefix-cache hits on 2 real vLLM replicas (routing_vllm.*)"
 	@echo "make bench-workers-routing - routing across --workers N, simulated (workers_routing.*)"
@@ -83,8 +83,12 @@ demo: venv vllm
 # each rewrites exactly its own files. `make bench` runs the quick ones (gateway venv only).
 bench: bench-overhead bench-routing
 
+# Beside vllm-router: Python's floor, --workers 2 on the same core and BASE's gateway (the
+# committed result: BASE=3d5c824, the tree before the layout work).
 bench-overhead: venv
-	$(BIN)/python bench/overhead.py
+	$(extract_base)
+	$(BIN)/python bench/overhead.py --baseline $(BASE_TREE) --workers-variant 2 --floor \
+	    --rounds 7 --budget-s 1500
 
 bench-routing: venv
 	$(BIN)/python bench/routing.py
