@@ -360,6 +360,9 @@ def _pick_secrets(layers: Mapping[str, dict[str, Any]]) -> None:
         file_key, chosen = f"{name}_file", False
         for where, layer in layers.items():
             value, path = layer.pop(name, None), layer.pop(file_key, None)
+            for key, given in ((name, value), (file_key, path)):
+                if given is not None and not isinstance(given, str):  # shadowed or not
+                    raise ValueError(f"{key} given by {where} must be a string (quote it)")
             if chosen or not (value or path):
                 continue
             if value and path:

@@ -235,3 +235,14 @@ def test_a_missing_winning_secret_file_fails_naming_the_path(tmp_path: Path) -> 
     with pytest.raises(OSError) as info:
         load_settings({}, environ={"GATEWAY_UPSTREAM_TOKEN_FILE": str(tmp_path / "nope")})
     assert str(tmp_path / "nope") in str(info.value)
+
+
+def test_a_non_string_secret_in_yaml_is_an_error_even_when_shadowed(tmp_path: Path) -> None:
+    """``api_key: 8675309`` is a YAML number, a mistake whichever layer wins; the error
+    names the setting, never the value."""
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("api_key: 8675309\n")
+    with pytest.raises(ValueError) as info:
+        load_settings({"api_key": "flag-key"}, config_file=cfg, environ={})
+    assert "api_key given by the config file must be a string" in str(info.value)
+    assert "8675309" not in str(info.value)
