@@ -12,7 +12,7 @@ VLLM_PATH := $(CURDIR):$(CURDIR)/testbed
 	bench-instructions-ablations bench-train bench-adapters bench-image
 
 help:
-	@echo "make test   - install everything (gateway venv + vLLM venv) and run lint + all tests"
+	@echo "make test   - install everything and run every test layer (scripts/test_layers.py --list)"
 	@echo "make demo   - async LoRA GRPO through the gateway on 2 real vLLM replicas (~4 min)"
 	@echo "make test-fast - unit + integration tests only (no real vLLM, no containers)"
 	@echo "make image  - build the sidecar image as localhost/rollout-gateway:dev (podman)"
@@ -46,9 +46,7 @@ vllm: venv
 	bash scripts/install-vllm.sh
 
 lint: venv
-	$(BIN)/ruff check gateway testbed trainer tests bench
-	$(BIN)/ruff format --check gateway testbed trainer tests bench
-	$(BIN)/mypy
+	$(BIN)/python scripts/test_layers.py --only lint
 
 tools: venv
 	bash tests/deploy/ensure_tools.sh $(BIN)/python
@@ -62,19 +60,12 @@ image:
 test-container: venv
 	$(BIN)/python -m pytest tests/container -q
 
-# Three pytest runs: the fast layer, then each real-vLLM layer on its own, so that no more
-# than two vLLM replicas share the 2 cores at any time.
-# The fault suite and the TRL layer run twice: one gateway process, then `serve --workers 2`
-# (ROLLOUT_TESTBED_WORKERS); tests/e2e/test_vllm_workers.py is the adapter e2e through 2 workers.
-test: venv vllm tools lint
-	$(BIN)/python -m pytest -m "not e2e" -q --ignore=tests/container
-	ROLLOUT_TESTBED_WORKERS=2 $(BIN)/python -m pytest tests/faults -q
-	$(BIN)/python -m pytest tests/container -q
-	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/local -q
-	GATEWAY_VLLM_PYTHON=$(VLLM_PY) $(BIN)/python -m pytest -m e2e tests/e2e -q
-	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) -m pytest tests/trl -q -p no:cacheprovider
-	ROLLOUT_TESTBED_WORKERS=2 PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) -m pytest tests/trl -q -p no:cacheprovider
-	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) -m pytest tests/trainer -q -p no:cacheprovider
+# Every layer, cheapest first (lint, fast, then the vLLM install and the real-vLLM layers),
+# each run even when an earlier one failed; a summary of all of them at the end, and exit 1
+# when any failed. The layers and what each proves: scripts/test_layers.py (--list).
+# LAYERS="fast trl" runs some of them.
+test: venv tools
+	$(BIN)/python scripts/test_layers.py $(if $(LAYERS),--only $(LAYERS))
 
 demo: venv vllm
 	$(BIN)/python -m rollout_testbed.demo

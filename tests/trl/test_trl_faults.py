@@ -125,6 +125,7 @@ def test_fresh_trl_run_restarts_at_v1_over_fleet_with_earlier_adapters(fleet: La
 # --------------------------------------------------------------------------- gateway restart
 
 
+@pytest.mark.workers  # the owner and both workers restart; the registry is rebuilt once
 def test_gateway_restarted_between_two_syncs(fleet: Layer) -> None:
     """The gateway process is stopped (SIGTERM) and started again on the same port after
     sync 3. TRL's rollouts in flight meet refused connections and retry (backoff 1 s, 2 s,
@@ -255,6 +256,7 @@ def test_replica_killed_just_before_pause(fleet: Layer) -> None:
     assert_fleet_holds_window(fleet, res, [0, 1])
 
 
+@pytest.mark.workers  # the worker that sees the refused connection ejects for both
 def test_replica_killed_during_rollouts(fleet: Layer) -> None:
     """Replica 1 is SIGKILLed while it has rollouts in flight (runs last: it stays dead,
     as replica 1 cannot be restarted on its own core). Every step must still finish."""

@@ -22,6 +22,8 @@ ORDER = 1
 STEPS = 50
 
 
+# workers: every sync must reach every worker before its 200, and rollouts arrive on both.
+@pytest.mark.workers
 @pytest.mark.timeout(1200)  # includes the layer's start (2 replicas: 1-3 min)
 def test_trl_async_grpo_lora_through_gateway(fleet: Layer) -> None:
     loads_before = fleet.gateway_metric("gateway_adapter_loads_total", 'outcome="ok"')

@@ -58,7 +58,7 @@ from rollout_testbed.trl.many_runs import (
     wait_runs,
 )
 
-from tests.trl.checks import LORA_NAME, assert_learned
+from tests.trl.checks import LORA_NAME, Z_EACH, assert_learned
 
 ORDER = 1.5  # after the happy path (its adapters are the leftovers), before the faults
 STEPS = 60
@@ -176,7 +176,7 @@ def test_three_trl_runs_share_one_fleet(shared: Shared) -> None:
         # last 10 steps still rising) while the other runs gained 2-8x, so the runs get 60
         # steps; each clears 2 sigma and 1.25x, and the three together, step by step, clear
         # the happy path's rule.
-        assert_learned(rewards, r.name, z=2.0, gain=1.25)
+        assert_learned(rewards, r.name, z=Z_EACH)
         per_step.append(rewards)
     assert_learned([mean(step) for step in zip(*per_step, strict=True)], "all three runs")
 
