@@ -20,15 +20,17 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from tests.eventually import eventually
+from tests.eventually import STALL_S, eventually
 from tests.faults.procs import Fleet, fleet, metric
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-# Each at least 1.5 s past what must fit inside it (a 0.5 s load delay, two 0.1 s mount-lag
-# retries), so that a stalled loop on this 2-core box does not turn a success into a loss.
-BROADCAST_TIMEOUT_S = 2.0
-LOAD_DEADLINE_S = 1.5
+# Each at least STALL_S past what must fit inside it (a 0.5 s load delay, two 0.1 s
+# mount-lag retries), so that a stalled 2-core box (2 s) does not turn a success into a
+# loss -- and so that the lost replica's timeout leaves a window for the watcher's
+# answers in test_load_timeout_on_one_replica_is_lost_not_failed.
+BROADCAST_TIMEOUT_S = 4.0
+LOAD_DEADLINE_S = 3.0
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -148,7 +150,7 @@ async def test_load_timeout_on_one_replica_is_lost_not_failed(f: Fleet) -> None:
     (gateway.fleet.quorum): the trainer gets 200 at the timeout, live on the others; the slow
     replica is ejected at once and, being alive, re-admitted by the next probe and
     reconciled (the version replayed) before it gets the adapter's traffic."""
-    late = BROADCAST_TIMEOUT_S + 2.0
+    late = BROADCAST_TIMEOUT_S + 2 * STALL_S  # its answer: past the timeout plus any stall
     await f.faults(1, load_delay_s=late)
     watcher = Watcher(f, "slow-v1").start()
     try:
