@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from tests.eventually import eventually_sync
+
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "build-image.sh"
 SIM_CONTAINERFILE = Path(__file__).with_name("sim.Containerfile")
@@ -171,20 +173,17 @@ def logs(name: str) -> str:
 
 
 def wait_http(url: str, *, timeout: float = 60.0, status: int = 200, name: str = "") -> float:
-    """Poll ``url`` until it answers ``status``; returns the seconds it took."""
+    """Poll ``url`` until it answers ``status``; returns the seconds it took. On a timeout
+    the failure names the last answer (or error), and the container's log tail is printed."""
     start = time.monotonic()
-    last: object = None
-    while time.monotonic() - start < timeout:
-        try:
-            r = httpx.get(url, timeout=2.0)
-            if r.status_code == status:
-                return time.monotonic() - start
-            last = r.status_code
-        except httpx.HTTPError as exc:
-            last = exc
-        time.sleep(0.05)
-    tail = logs(name)[-3000:] if name else ""
-    raise TimeoutError(f"{url} did not answer {status} in {timeout}s (last {last!r})\n{tail}")
+    eventually_sync(
+        lambda: httpx.get(url, timeout=2.0).status_code == status,
+        f"{url} to answer {status}",
+        timeout=timeout,
+        ignore=(httpx.HTTPError,),
+        on_timeout=lambda: print(logs(name)[-3000:] if name else ""),
+    )
+    return time.monotonic() - start
 
 
 def replica_cmd(port: int, token_file: Path, *extra: str) -> list[str]:

@@ -28,6 +28,7 @@ from tests.container._podman import (
     wait_http,
 )
 from tests.deploy._proc import free_port, process
+from tests.eventually import eventually_sync
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -100,16 +101,13 @@ def deployment(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             yield Deployment(name, url, replicas, token, time.monotonic() - start)
 
 
-def _wait_replica(url: str, headers: dict[str, str], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", headers=headers, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"replica {url} not up in {timeout}s")
+def _wait_replica(url: str, headers: dict[str, str]) -> None:
+    eventually_sync(
+        lambda: httpx.get(url + "/health", headers=headers, timeout=2).status_code == 200,
+        f"replica {url} up",
+        interval=0.1,
+        ignore=(httpx.HTTPError,),
+    )
 
 
 def _model(url: str) -> str:

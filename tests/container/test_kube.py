@@ -12,7 +12,6 @@ import base64
 import json
 import os
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import yaml
 
 from tests.container import kube
 from tests.container._podman import RUN_FLAGS, inspect, podman
+from tests.eventually import eventually_sync
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -153,14 +153,16 @@ def test_played_spec_is_the_manifests_own() -> None:
 
 
 def test_pod_serves_a_completion_and_an_adapter_load(pod: Pod) -> None:
-    deadline = time.monotonic() + 90
-    status, text = 0, ""
-    while time.monotonic() < deadline:  # the startupProbe's check: /health 200
-        status, text = pod.request("GET", "/health")
-        if status == 200:
-            break
-        time.sleep(0.5)
-    assert status == 200, (status, text, podman("logs", pod.gateway, check=False).stderr[-2000:])
+    seen: list[tuple[int, str]] = []
+
+    def healthy() -> bool:  # the startupProbe's check: /health 200
+        seen.append(pod.request("GET", "/health"))
+        return seen[-1][0] == 200
+
+    def dump() -> None:
+        print(seen[-1:], podman("logs", pod.gateway, check=False).stderr[-2000:])
+
+    eventually_sync(healthy, "the pod's /health 200", timeout=90, interval=0.5, on_timeout=dump)
     status, text = pod.request("GET", "/v1/models")
     assert status == 200, text
     model = json.loads(text)["data"][0]["id"]

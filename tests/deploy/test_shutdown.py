@@ -17,6 +17,7 @@ import httpx
 from rollout_testbed.procs import free_port, wait_http
 
 from tests.deploy._proc import base_env, process
+from tests.eventually import eventually_sync
 
 
 def _refused(port: int) -> bool:
@@ -88,10 +89,7 @@ def test_sigterm_drains_in_flight_then_exits_zero(tmp_path: Path) -> None:
         assert a.first.wait(10) and a.error is None
         t0 = time.monotonic()
         proc_a.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
-        deadline = time.monotonic() + 3
-        while not _refused(port_a) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _refused(port_a), "still accepting connections after SIGTERM"
+        eventually_sync(lambda: _refused(port_a), "new connections refused after SIGTERM")
         assert proc_a.wait(15) == 0  # type: ignore[attr-defined]
         drained_s = time.monotonic() - t0
         a.join(5)

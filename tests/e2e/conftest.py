@@ -51,6 +51,7 @@ from gateway.api import FastPath
 from gateway.app import create_app
 from gateway.config import load_settings
 from gateway.core import Gateway
+from tests.eventually import eventually_sync
 from trainer.payload import build_payload
 
 T = TypeVar("T")
@@ -220,10 +221,9 @@ class E2E:
         if proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout)
-        deadline = time.monotonic() + timeout
-        while R.group_members(r.pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not R.group_members(r.pgid), f"replica {index} group {r.pgid} survived SIGKILL"
+        eventually_sync(lambda: not R.group_members(r.pgid),
+                        f"replica {index} group {r.pgid} gone after SIGKILL",
+                        timeout=timeout, interval=0.1)  # fmt: skip
 
     def restart_replica(self, index: int) -> R.ReplicaSet:
         """Start a fresh vLLM on the same port (and core) as replica ``index``."""
@@ -378,21 +378,12 @@ def wait_for(
     interval: float = 0.25,
     on_timeout: Callable[[], None] | None = None,
 ) -> Any:
-    """Poll ``predicate`` until truthy (bounded in time); fail with ``what`` otherwise."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except (httpx.HTTPError, OSError, ValueError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    if on_timeout is not None:
-        on_timeout()
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+    """``eventually_sync`` for the e2e layer (its checks ask HTTP servers that may be
+    restarting): poll ``predicate`` until truthy; fail with ``what`` otherwise."""
+    return eventually_sync(
+        predicate, what, timeout=timeout, interval=interval, on_timeout=on_timeout,
+        ignore=(httpx.HTTPError, OSError, ValueError),
+    )  # fmt: skip
 
 
 def replica_models(url: str) -> list[dict[str, Any]]:

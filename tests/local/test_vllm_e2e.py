@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 from rollout_testbed.local import replicas as R
 from rollout_testbed.local.tiny_model import tree_digest
 
+from tests.eventually import eventually_sync
 from tests.local.vllm import vllm_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -221,11 +221,12 @@ def test_prefix_cache_counters_increase(replica_set: R.ReplicaSet) -> None:
         assert 64 <= usage["prompt_tokens"] < 500, usage
         details = usage.get("prompt_tokens_details") or {}
         cached.append(details.get("cached_tokens") or 0)
-    deadline = time.monotonic() + 10
-    after = _metric(r.url, "vllm:prefix_cache_hits_total")
-    while after <= before and time.monotonic() < deadline:
-        time.sleep(0.5)
-        after = _metric(r.url, "vllm:prefix_cache_hits_total")
+    # vLLM publishes its counters a moment later: wait until they moved, then check how far.
+    after = eventually_sync(
+        lambda: (hits := _metric(r.url, "vllm:prefix_cache_hits_total")) > before and hits,
+        "vllm:prefix_cache_hits_total to increase",
+        interval=0.5,
+    )
     assert after >= before + 32, (before, after)
     assert cached[1] >= 32, cached
 
