@@ -201,6 +201,10 @@ class Front:
     error: str = ""  # why it was not measured (did not start)
 
 
+def key_of(front: Front) -> str:
+    return front.key
+
+
 def gateway_workers(mode: str, cores: int) -> int | str:
     if mode == "match":
         return cores
@@ -844,8 +848,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{budget.elapsed():.1f} s",
             file=sys.stderr,
         )
-        for r, order in paired_rounds(measured, args.rounds if measured else 0, budget):
-            r0 = time.monotonic()
+        rounds_to_run = args.rounds if measured else 0
+        for r, order, _ in paired_rounds(measured, rounds_to_run, budget, round_info, key_of):
             this: dict[str, dict[str, Any]] = {}
             for f in order:
                 try:
@@ -863,15 +867,6 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
             rounds.append(this)
-            dur = time.monotonic() - r0
-            round_info.append(
-                {
-                    "round": r + 1,
-                    "order": [f.key for f in order],
-                    "duration_s": round(dur, 1),
-                    "loadavg_at_end": loadavg(),
-                }
-            )
             write_all()
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the cleanup finish

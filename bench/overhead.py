@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -179,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             run(fleet, fronts[name], tput_warm, max_seconds=per_run_max, measure_cpu=False)
             run(fleet, fronts[name], lat_warm, concurrency=1, max_seconds=per_run_max,
                 measure_cpu=False)  # fmt: skip
-        for r, order in paired_rounds(names, args.rounds, budget):
-            r0 = time.monotonic()
+        for r, order, note in paired_rounds(names, args.rounds, budget, round_info):
             this: dict[str, dict[str, dict[str, object]]] = {name: {} for name in order}
             for name in order:
                 lat = run(fleet, fronts[name], args.lat_requests, concurrency=1,
@@ -221,17 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                         file=sys.stderr,
                     )
             rounds.append(this)
-            dur = time.monotonic() - r0
-            round_info.append(
-                {
-                    "round": r + 1,
-                    "order": order,
-                    "paced_rate": args.paced_rate,
-                    "capacity_rate": cap_rate,
-                    "duration_s": round(dur, 1),
-                    "loadavg_at_end": loadavg(),
-                }
-            )
+            note.update(paced_rate=args.paced_rate, capacity_rate=cap_rate)
     elapsed = budget.elapsed()
 
     summary = summarize(rounds, names)

@@ -62,7 +62,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 import uvloop
 from rollout_testbed.procs import Proc, sim_fleet
 
@@ -192,18 +191,13 @@ class Workload:
         for _ in range(GROUP):
             stream = rng.random() < self.stream_fraction
             max_tokens = rng.randint(MIN_TOKENS, MAX_TOKENS)
-            body = {
-                "model": ADAPTER if lora else BASE_MODEL,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "n": 1,
-                "return_token_ids": True,
-                "logprobs": 0,
-                "seed": rng.randrange(1 << 30),
-            }
-            if stream:
-                body["stream"] = True
-            raw = orjson.dumps(body)
+            raw = load.trl_body(
+                prompt,
+                model=ADAPTER if lora else BASE_MODEL,
+                max_tokens=max_tokens,
+                seed=rng.randrange(1 << 30),
+                stream=stream,
+            )
             out.append(
                 Req(
                     self.head + str(len(raw)).encode() + b"\r\n\r\n" + raw,
@@ -222,71 +216,6 @@ class Workload:
 
 
 # --------------------------------------------------------------------------- raw HTTP client
-
-
-class Conn(asyncio.Protocol):
-    """One keep-alive connection with one request in flight at a time."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.waiter: asyncio.Future[tuple[int, bytes, bytes]] | None = None
-        self.closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    async def request(self, payload: bytes, timeout: float) -> tuple[int, bytes, bytes]:
-        """(status, lower-cased head, body); raises ConnectionError or TimeoutError."""
-        if self.closed or self.transport is None:
-            raise ConnectionError("connection closed")
-        waiter: asyncio.Future[tuple[int, bytes, bytes]] = self.loop.create_future()
-        self.waiter = waiter
-        timer = self.loop.call_later(timeout, self._timeout)
-        self.transport.write(payload)
-        try:
-            return await waiter
-        finally:
-            timer.cancel()
-            self.waiter = None
-
-    def _timeout(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(TimeoutError())
-        self.close()
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if self.waiter is None or self.waiter.done():
-            return
-        try:
-            parsed = load.parse_response(self.buf)
-        except (load.ProtocolError, ValueError) as exc:
-            self.waiter.set_exception(ConnectionError(f"protocol error: {exc}"))
-            self.close()
-            return
-        if parsed is not None:
-            status, head, consumed = parsed
-            body = load.body_of(bytes(self.buf[:consumed]), head)
-            del self.buf[:consumed]
-            self.waiter.set_result((status, head, body))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionError(f"connection lost: {exc}"))
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
-
-async def connect(host: str, port: int) -> Conn:
-    loop = asyncio.get_running_loop()
-    _, conn = await loop.create_connection(Conn, host, port)
-    return conn
 
 
 def classify(req: Req, status: int, body: bytes) -> str:
@@ -403,7 +332,7 @@ class Soak:
         self.failures: list[Failure] = []
         self.kills: list[KillEvent] = []
         self.excluded: set[int] = set()  # killed, not yet reconciled: no twins there
-        self.twin_pool: dict[int, list[Conn]] = {i: [] for i in range(len(sims))}
+        self.twin_pool: dict[int, list[load.Conn]] = {i: [] for i in range(len(sims))}
         self.twins_in_flight = 0
         self.twin_rng = random.Random(args.seed + 1)
         self.stop = False
@@ -443,7 +372,7 @@ class Soak:
             self.failures.append(Failure(self.now(), req.stream, req.lora, kind, replica))
 
     async def worker(self, index: int, end: float) -> None:
-        conn: Conn | None = None
+        conn: load.Conn | None = None
         timeout = self.args.request_timeout
         # Stagger the first sends over ~1 s so 200 connects do not arrive as one burst.
         await asyncio.sleep(index / max(1, self.args.concurrency))
@@ -456,7 +385,7 @@ class Soak:
             replica = None
             try:
                 if conn is None or conn.closed:
-                    conn = await connect("127.0.0.1", self.gw_port)
+                    conn = await load.connect("127.0.0.1", self.gw_port)
                 self.in_flight += 1
                 try:
                     status, head, body = await conn.request(req.payload, timeout)
@@ -506,7 +435,7 @@ class Soak:
             while pool and pool[-1].closed:  # the replica closed idle keep-alive connections
                 pool.pop()
             reused = bool(pool)
-            conn = pool.pop() if pool else await connect("127.0.0.1", self.sim_ports[replica])
+            conn = pool.pop() if pool else await load.connect("127.0.0.1", self.sim_ports[replica])
             t = time.perf_counter()
             try:
                 status, _, body = await conn.request(req.payload, self.args.request_timeout)
@@ -514,7 +443,7 @@ class Soak:
                 if not reused:
                     raise
                 # Lost the race with the replica's idle timeout: one fresh connection.
-                conn = await connect("127.0.0.1", self.sim_ports[replica])
+                conn = await load.connect("127.0.0.1", self.sim_ports[replica])
                 t = time.perf_counter()
                 status, _, body = await conn.request(req.payload, self.args.request_timeout)
             latency = time.perf_counter() - t

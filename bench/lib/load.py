@@ -61,6 +61,29 @@ from bench.lib.upstream import STREAM_TOKENS
 __all__ = ["LoadResult", "make_bodies", "run_client", "run_load", "run_paced", "summarize"]
 
 
+def trl_body(
+    prompt: list[int],
+    *,
+    model: str = "tiny-base",
+    max_tokens: int = 16,
+    seed: int = 0,
+    stream: bool = False,
+) -> bytes:
+    """One completion body shaped as TRL's vLLM client sends it (token-id prompt)."""
+    body: dict[str, object] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "n": 1,
+        "return_token_ids": True,
+        "logprobs": 0,
+        "seed": seed,
+    }
+    if stream:
+        body["stream"] = True
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def make_bodies(
     count: int = 64, prompt_tokens: int = 200, seed: int = 0, *, stream: bool = False
 ) -> list[bytes]:
@@ -71,18 +94,7 @@ def make_bodies(
     for i in range(count):
         if i % 8 == 0:
             prompt = [rng.randrange(100, 32000) for _ in range(prompt_tokens)]
-        body = {
-            "model": "tiny-base",
-            "prompt": prompt,
-            "max_tokens": 16,
-            "n": 1,
-            "return_token_ids": True,
-            "logprobs": 0,
-            "seed": rng.randrange(1 << 30),
-        }
-        if stream:
-            body["stream"] = True
-        bodies.append(json.dumps(body, separators=(",", ":")).encode())
+        bodies.append(trl_body(prompt, seed=rng.randrange(1 << 30), stream=stream))
     return bodies
 
 
@@ -450,6 +462,72 @@ class _PacedConn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost()
+
+
+class Conn(asyncio.Protocol):
+    """One keep-alive connection with one request in flight at a time, awaited: for a
+    client that decides each request as it goes (the soak's mixed workload)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.waiter: asyncio.Future[tuple[int, bytes, bytes]] | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    async def request(self, payload: bytes, timeout: float) -> tuple[int, bytes, bytes]:
+        """(status, lower-cased head, body); raises ConnectionError or TimeoutError."""
+        if self.closed or self.transport is None:
+            raise ConnectionError("connection closed")
+        waiter: asyncio.Future[tuple[int, bytes, bytes]] = self.loop.create_future()
+        self.waiter = waiter
+        timer = self.loop.call_later(timeout, self._timeout)
+        self.transport.write(payload)
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    def _timeout(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(TimeoutError())
+        self.close()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.waiter is None or self.waiter.done():
+            return
+        try:
+            parsed = parse_response(self.buf)
+        except (ProtocolError, ValueError) as exc:
+            self.waiter.set_exception(ConnectionError(f"protocol error: {exc}"))
+            self.close()
+            return
+        if parsed is not None:
+            status, head, consumed = parsed
+            body = body_of(bytes(self.buf[:consumed]), head)
+            del self.buf[:consumed]
+            self.waiter.set_result((status, head, body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"connection lost: {exc}"))
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def connect(host: str, port: int) -> Conn:
+    loop = asyncio.get_running_loop()
+    _, conn = await loop.create_connection(Conn, host, port)
+    return conn
 
 
 async def run_paced(

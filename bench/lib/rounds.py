@@ -10,6 +10,7 @@ heated the machine).
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -50,18 +51,31 @@ class Budget:
 
 
 def paired_rounds(
-    items: Sequence[T], rounds: int, budget: Budget | None = None
-) -> Iterator[tuple[int, list[T]]]:
-    """``(r, order)`` for each round, as long as ``budget`` leaves time for one more of the
-    longest so far (the first round always runs)."""
+    items: Sequence[T],
+    rounds: int,
+    budget: Budget | None = None,
+    log: list[dict[str, Any]] | None = None,
+    key: Callable[[T], Any] = lambda item: item,
+) -> Iterator[tuple[int, list[T], dict[str, Any]]]:
+    """``(r, order, note)`` for each round, as long as ``budget`` leaves time for one more of
+    the longest so far (the first round always runs). ``note`` (round, order by ``key``,
+    then its duration and the load average at its end) goes to ``log``; the caller may add
+    to it."""
     longest = 0.0
     for r in range(rounds):
         if r and budget is not None and budget.left() < longest:
             print(f"budget reached: stopping after {r} rounds", file=sys.stderr)
             return
-        t = time.monotonic()
-        yield r, rotated(items, r)
+        t, order = time.monotonic(), rotated(items, r)
+        note: dict[str, Any] = {"round": r + 1, "order": [key(i) for i in order]}
+        yield r, order, note
         longest = max(longest, time.monotonic() - t)
+        note.update(
+            duration_s=round(time.monotonic() - t, 1),
+            loadavg_at_end=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        )
+        if log is not None:
+            log.append(note)
 
 
 def ratio_per_round(

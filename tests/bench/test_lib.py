@@ -68,10 +68,13 @@ def test_the_client_argv_names_every_option_it_is_given() -> None:
     assert (args.rate, args.requests, args.stream, args.warmup) == (300.0, 10, True, 0)
 
 
-def test_paired_rounds_rotate_and_ratios_are_taken_per_round() -> None:
-    assert [order for _, order in paired_rounds("abc", 4)] == [
-        list("abc"), list("bca"), list("cab"), list("abc")
-    ]  # fmt: skip
+def test_paired_rounds_rotate_log_and_ratios_are_taken_per_round() -> None:
+    log: list[dict[str, object]] = []
+    for _, _, note in paired_rounds("abc", 4, log=log, key=str.upper):
+        note["extra"] = 1
+    assert [n["order"] for n in log] == [list("ABC"), list("BCA"), list("CAB"), list("ABC")]
+    assert [n["round"] for n in log] == [1, 2, 3, 4]
+    assert all(n["extra"] == 1 and float(n["duration_s"]) >= 0 for n in log)  # type: ignore[arg-type]
     assert rotated([], 3) == []
     rounds = [{"a": 2.0, "b": 1.0}, {"a": 9.0, "b": 3.0}, {"a": 4.0, "b": 1.0}, {"a": 1.0}]
     assert ratio_per_round(rounds, "a", "b", float) == 3.0  # median of 2, 3, 4
@@ -80,7 +83,7 @@ def test_paired_rounds_rotate_and_ratios_are_taken_per_round() -> None:
 
 def test_a_spent_budget_stops_rounds_after_the_first() -> None:
     spent = Budget(0.0)
-    assert [r for r, _ in paired_rounds("ab", 5, spent)] == [0]
+    assert [r for r, _, _ in paired_rounds("ab", 5, spent)] == [0]
 
 
 def test_the_cpu_reader_sees_this_process_burn_cpu() -> None:
