@@ -3,9 +3,10 @@
 Why: on this shared 2-core VM, CPU time per request swings by 10-20 % between runs of the
 same code (paired rounds cancel only some of it: ``bench/cpu_per_request.py`` at
 ``d1567bc``, retired for this), and the VM exposes no hardware counters. Valgrind counts
-every instruction the process retires (``cachegrind --cache-sim=no``): the same code on the same input gives the same count to
-within ~0.01 % back to back on a quiet host, and within ~1 % when the host is busy (the
-gateway's periodic timers run more often while valgrind's wall time stretches: 391,251 to
+every instruction the process retires (``cachegrind --cache-sim=no``): the same code on
+the same input gives the same count to within ~0.01 % back to back on a quiet host, and
+within ~1 % when the host is busy (the gateway's periodic timers run more often while
+valgrind's wall time stretches: 391,251 to
 395,060 per request for one tree, 2026-12-01). It sees user space only -- syscalls and
 the kernel's TCP work are not counted -- and not cache misses; it measures how much work
 the code asks for, which is what a change to the gateway's Python moves.
