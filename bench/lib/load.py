@@ -98,6 +98,19 @@ def make_bodies(
     return bodies
 
 
+def take_response(buf: bytearray, check: Check | None) -> int | None:
+    """The status of the whole response at the start of ``buf``, consumed from it (``check``
+    may replace the status), or None while it is incomplete."""
+    parsed = parse_response(buf)
+    if parsed is None:
+        return None
+    status, head, consumed = parsed
+    if check is not None:
+        status = check(status, head, bytes(buf[:consumed]))
+    del buf[:consumed]
+    return status
+
+
 def _requests(host: str, port: int, path: str, bodies: list[bytes]) -> list[bytes]:
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
@@ -271,17 +284,13 @@ class _Conn(asyncio.Protocol):
         if not self.busy:
             return
         try:
-            parsed = parse_response(self.buf)
+            status = take_response(self.buf, self.shared.check)
         except (ProtocolError, ValueError):
             self._fail()
             return
-        if parsed is None:
+        if status is None:
             return
         now = time.perf_counter()
-        status, head, consumed = parsed
-        if self.shared.check is not None:
-            status = self.shared.check(status, head, bytes(self.buf[:consumed]))
-        del self.buf[:consumed]
         self.busy = False
         result = self.shared.result
         result.statuses[status] += 1
@@ -412,19 +421,15 @@ class _PacedConn(asyncio.Protocol):
         if not self.busy:
             return
         try:
-            parsed = parse_response(self.buf)
+            status = take_response(self.buf, self.shared.check)
         except (ProtocolError, ValueError):
             self._lost()
             if self.transport is not None:
                 self.transport.close()
             return
-        if parsed is None:
+        if status is None:
             return
         now = time.perf_counter()
-        status, head, consumed = parsed
-        if self.shared.check is not None:
-            status = self.shared.check(status, head, bytes(self.buf[:consumed]))
-        del self.buf[:consumed]
         self.busy = False
         result = self.shared.result
         if self.priming:
