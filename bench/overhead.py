@@ -242,7 +242,6 @@ def main(argv: list[str] | None = None) -> int:
                 else "unpinned"
             ),
             "gateway_flags": "--log-level WARNING",
-            "httpx_default_transport_variant": "skipped: the gateway exposes no transport switch",
             "elapsed_s": round(elapsed, 1),
             "loadavg_at_end": loadavg(),
         },
@@ -437,11 +436,7 @@ def render(report: dict[str, object]) -> str:
         )
     lines += ["", *render_targets(summary, paced, labels), ""]
     dirty = " + uncommitted gateway/ changes" if machine["gateway_tree_dirty"] else ""
-    lines.append(
-        f"Gateway: git {machine['git_head']}{dirty}, "
-        f"flags {cfg['gateway_flags']}; httpx default-transport variant: "
-        f"{cfg['httpx_default_transport_variant']}."
-    )
+    lines.append(f"Gateway: git {machine['git_head']}{dirty}, flags {cfg['gateway_flags']}.")
     return "\n".join(lines) + "\n"
 
 
