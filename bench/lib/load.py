@@ -255,11 +255,40 @@ class _Shared:
             self.done.set_result(None)
 
 
-class _Conn(asyncio.Protocol):
+class _OneInFlight(asyncio.Protocol):
+    """A keep-alive connection with at most one request in flight (``busy``): each whole
+    response goes to ``_answered``, an unparsable one to ``_broken``."""
+
+    buf: bytearray
+    busy: bool
+    check: Check | None
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if not self.busy:
+            return
+        try:
+            status = take_response(self.buf, self.check)
+        except (ProtocolError, ValueError):
+            self._broken()
+            return
+        if status is not None:
+            self.busy = False
+            self._answered(status, time.perf_counter())
+
+    def _answered(self, status: int, now: float) -> None:
+        raise NotImplementedError
+
+    def _broken(self) -> None:
+        raise NotImplementedError
+
+
+class _Conn(_OneInFlight):
     """One keep-alive connection; sends the next request from the response callback."""
 
     def __init__(self, shared: _Shared, record: bool) -> None:
         self.shared = shared
+        self.check = shared.check
         self.record = record
         self.buf = bytearray()
         self.sent_at = 0.0
@@ -279,19 +308,7 @@ class _Conn(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(payload)
 
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if not self.busy:
-            return
-        try:
-            status = take_response(self.buf, self.shared.check)
-        except (ProtocolError, ValueError):
-            self._fail()
-            return
-        if status is None:
-            return
-        now = time.perf_counter()
-        self.busy = False
+    def _answered(self, status: int, now: float) -> None:
         result = self.shared.result
         result.statuses[status] += 1
         if self.record:
@@ -299,7 +316,7 @@ class _Conn(asyncio.Protocol):
         self.shared.finished_one()
         self.fire()
 
-    def _fail(self) -> None:
+    def _broken(self) -> None:
         if self.busy:
             self.busy = False
             self.shared.result.transport_errors += 1
@@ -344,11 +361,12 @@ class _PacedShared:
             self.primed.set_result(None)
 
 
-class _PacedConn(asyncio.Protocol):
+class _PacedConn(_OneInFlight):
     """One keep-alive connection with its own open-loop schedule (one request in flight)."""
 
     def __init__(self, shared: _PacedShared, index: int, count: int) -> None:
         self.shared = shared
+        self.check = shared.check
         self.index = index  # global slot j = index + k * C
         self.count = count  # this connection's slots
         self.k = 0  # next slot number on this connection
@@ -416,21 +434,12 @@ class _PacedConn(asyncio.Protocol):
         result.max_in_flight = max(result.max_in_flight, shared.in_flight)
         self.transport.write(payload)
 
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if not self.busy:
-            return
-        try:
-            status = take_response(self.buf, self.shared.check)
-        except (ProtocolError, ValueError):
-            self._lost()
-            if self.transport is not None:
-                self.transport.close()
-            return
-        if status is None:
-            return
-        now = time.perf_counter()
-        self.busy = False
+    def _broken(self) -> None:
+        self._lost()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _answered(self, status: int, now: float) -> None:
         result = self.shared.result
         if self.priming:
             self.priming = False

@@ -102,13 +102,7 @@ def gateway_flags(port: int, replicas: Sequence[str], secret_dir: Path) -> list[
         "GATEWAY_UPSTREAM_TOKEN_FILE": f"{SECRET_DIR}/token",
         "GATEWAY_SHUTDOWN_TIMEOUT_S": "20",
     }
-    flags = [
-        "--network=host",
-        "--read-only",
-        "--read-only-tmpfs=false",
-        "--cap-drop=ALL",
-        "--security-opt=no-new-privileges",
-        "--volume",
-        f"{secret_dir}:{SECRET_DIR}:ro",
-    ]
+    locked = "--network=host --read-only --read-only-tmpfs=false --cap-drop=ALL"
+    flags = [*locked.split(), "--security-opt=no-new-privileges"]
+    flags += ["--volume", f"{secret_dir}:{SECRET_DIR}:ro"]
     return flags + [f"--env={k}={v}" for k, v in env.items()]
