@@ -20,17 +20,14 @@ heap; a tap on that heap (``_heap_tap``: ``bench.routing``'s ``heapq`` swapped f
 call) tells the pool when each request finishes, so the worker that sent it decrements its
 count.
 
-Three index variants per N > 1: ``local`` (the per-worker routers, nothing shared),
-``shared-templates`` (counterfactual: workers share the template set only, so every ring
-key agrees; served prompts stay local) and ``shared`` (counterfactual: one index for all
-workers, loads still local). ``local - shared`` is the cost of not sharing the index;
-``shared - N=1`` is the cost of local loads alone.
-
 The fix, ``fleet-*``: every router gets ``set_workers(N)`` and is fed the fleet-wide
-in-flight counts through ``set_fleet_loads`` (``gateway/routing/fleet.py``), in four models
-of the wiring (:class:`_Tables`): one 50 ms snapshot for all workers, the same published a
-period late (50-100 ms old), and two stress cases, live counts and each worker sampling
-on its own 50 ms timer. Simulated time comes from the heap tap (a completion's time).
+in-flight counts through ``set_fleet_loads`` (``gateway/routing/fleet.py``), as the owner
+publishes them (:class:`_Tables`): one 50 ms snapshot for all workers (``fleet-50ms``), or
+the same published a period late (``fleet-50ms-late``, 50-100 ms old, the interface's worst
+case). Simulated time comes from the heap tap (a completion's time). The counterfactuals
+and stress cases that settled this design (one shared index or template set, live counts,
+each worker on its own timer, repeats following a worker's record) are
+``bench/workers_routing.py`` at ``4a5220d``; their conclusions are in ``docs/routing.md``.
 
 The index question is measured directly too (``replay``): before each real decision the
 request is replayed to *every* worker's router with equal (zero) loads, and we count how
@@ -40,9 +37,9 @@ when one is known, else the whole capped prompt), or some worker remembers the p
 (affinity) on a replica other than the ring's.
 
 Sizing: 96 groups per replica (4x ``bench/routing.py``'s 24, so template warm-up is a
-small part of the run), workloads a, c (single-turn GRPO) and b (multi-turn), 3 worker-
-assignment seeds per N > 1 (the table shows their mean; the JSON keeps each). Runs in
-about four minutes on 2 cores.
+small part of the run), workloads a, c (single-turn GRPO), b (multi-turn) and e (repeats
+over epochs), 3 worker-assignment seeds per N > 1 (the table shows their mean; the JSON
+keeps each).
 """
 
 from __future__ import annotations
@@ -72,7 +69,7 @@ import routing as sim  # noqa: E402  (bench/routing.py; it puts the repo root on
 from bench.lib.report import pyplot  # noqa: E402
 from gateway.routing.config import RoutingConfig  # noqa: E402
 from gateway.routing.fleet import FleetLoads  # noqa: E402
-from gateway.routing.index import IndexStats, PrefixIndex  # noqa: E402
+from gateway.routing.index import IndexStats  # noqa: E402
 from gateway.routing.policy import (  # noqa: E402
     CandidateLoads,
     Decision,
@@ -85,12 +82,9 @@ from gateway.routing.policy import (  # noqa: E402
 
 WORKERS = (1, 2, 8)
 # How ``set_fleet_loads`` is fed in the ``fleet-*`` variants (``set_workers(N)``): see _Tables.
-TABLES = ("50ms", "50ms-late", "live", "own-timer")
+TABLES = ("50ms", "50ms-late")
 FLEET = tuple(f"fleet-{t}" for t in TABLES)
-# Counterfactual: as fleet-50ms, but a prompt a worker served verbatim before follows that
-# worker's record, as one process does (what the fleet mode deliberately does not do).
-FOLLOW = "fleet-50ms-follow"
-VARIANTS = ("local", "shared-templates", "shared", *FLEET, FOLLOW)
+VARIANTS = ("local", *FLEET)
 REFRESH_S = 0.050  # the interface's refresh period, in simulated seconds
 ARRIVAL_SPREAD_S = 0.003  # a request reads the table as of its arrival, up to 3 ms later
 WORKLOADS = ("a", "c", "b", "e")
@@ -98,19 +92,6 @@ EPOCHS = 4  # (e): (a)'s first 1/EPOCHS of groups, sent EPOCHS times over
 GROUPS_PER_REPLICA = 96
 MULTI_TURN_GROUPS_PER_REPLICA = 32
 SEEDS = (1, 2, 3)
-# ``--set name=value``: RoutingConfig fields for every router of every pool (to measure a
-# knob; the committed results use the defaults).
-OVERRIDES: dict[str, Any] = {}
-
-
-class _RecordFollowingIndex(PrefixIndex):
-    """``exact`` never answers, so ``_choose_fleet`` sends a verbatim repeat through
-    ``lookup`` and follows this worker's record (the ``FOLLOW`` counterfactual)."""
-
-    __slots__ = ()
-
-    def exact(self, key: Any) -> int | None:
-        return None
 
 
 class WorkerPool:
@@ -129,25 +110,16 @@ class WorkerPool:
         self.routers: list[PrefixAffinityRouter] = []
         fleet = variant.startswith("fleet-")
         for _ in range(workers):
-            r = make_router("prefix", RoutingConfig(**OVERRIDES))
+            r = make_router("prefix", RoutingConfig())
             assert isinstance(r, PrefixAffinityRouter)
             r.set_members(range(replicas))
             if fleet:
                 r.set_workers(workers)  # 1 worker: must change nothing (asserted in run)
-            if variant == FOLLOW:
-                r.index.__class__ = _RecordFollowingIndex
             self.routers.append(r)
-        first = self.routers[0].index
-        for r in self.routers[1:]:
-            if variant == "shared":
-                r.index = first
-            elif variant == "shared-templates":
-                # Counterfactual only: the template set is private state of PrefixIndex.
-                r.index._templates = first._templates
         cfg = self.routers[0].config
         self.fleet = fleet and workers > 1
         self.key_blocks = cfg.fleet_key_blocks if self.fleet else cfg.key_blocks
-        model = variant.removeprefix("fleet-").removesuffix("-follow")
+        model = variant.removeprefix("fleet-")
         self.tables = _Tables(model, workers, replicas, seed) if fleet else None
         self._fed: list[dict[int, int] | None] = [None] * workers
         self.local = [dict.fromkeys(range(replicas), 0) for _ in range(workers)]
@@ -179,8 +151,8 @@ class WorkerPool:
         table = None
         if self.tables is not None:
             table = self.tables.for_worker(w)
-            if table is not self._fed[w] or self.tables.model == "live":
-                self.routers[w].set_fleet_loads(table)  # a refresh (live: every decision)
+            if table is not self._fed[w]:
+                self.routers[w].set_fleet_loads(table)  # a refresh
                 self._fed[w] = table
         if self.replay:
             self._replay(request, candidates, table)
@@ -266,53 +238,41 @@ class WorkerPool:
 
 
 class _Tables:
-    """The fleet table each worker is handed, in one of four models of the wiring.
-
-    ``live``: the exact fleet-wide counts at every decision (no staleness at all).
-    ``50ms``: one snapshot of the counts every 50 ms of simulated time, the same for every
-    worker (0-50 ms old). ``50ms-late``: those snapshots published one period late (50-100
-    ms old: the interface's "up to ~100 ms stale"). ``own-timer``: each worker takes its own
-    snapshot every 50 ms, worker w at phase w/N of the period (workers sampling shared
-    counters on their own timers). In the snapshot models a request reads the table as of
-    its arrival, up to ``ARRIVAL_SPREAD_S`` after the sim's send time (the sim sends a
-    group's 8 samples at one instant; real ones spread over a few ms), so some groups
-    straddle a refresh. Snapshots are taken at the first event at or after each boundary,
-    before that event changes the counts: the state at the boundary.
+    """The fleet table each worker is handed: one snapshot of the fleet-wide counts every
+    50 ms of simulated time, the same object for every worker (``50ms``: 0-50 ms old), or
+    those snapshots published one period late (``50ms-late``: 50-100 ms old, the
+    interface's "up to ~100 ms stale"). A request reads the table as of its arrival, up to
+    ``ARRIVAL_SPREAD_S`` after the sim's send time (the sim sends a group's 8 samples at one
+    instant; real ones spread over a few ms), so some groups straddle a refresh. Snapshots
+    are taken at the first event at or after each boundary, before that event changes the
+    counts: the state at the boundary.
     """
 
     def __init__(self, model: str, workers: int, replicas: int, seed: int) -> None:
         assert model in TABLES, model
-        self.model = model
+        self.lag = model == "50ms-late"
         self.live = dict.fromkeys(range(replicas), 0)
-        own = model == "own-timer"
-        self.phases = [w * REFRESH_S / workers for w in range(workers)] if own else [0.0]
-        self.next_epoch = [0] * len(self.phases)
-        self.snaps: dict[tuple[int, int], dict[int, int]] = {}
+        self.next_epoch = 0
+        self.snaps: dict[int, dict[int, int]] = {}
         self.rng = random.Random(seed + 7919)  # apart from the worker draw: same workers
         self.now = 0.0
         self.tick(0.0)
 
     def tick(self, now: float) -> None:
         self.now = now
-        if self.model == "live":
-            return
-        for g, phase in enumerate(self.phases):
-            while phase + self.next_epoch[g] * REFRESH_S <= now:
-                e = self.next_epoch[g]
-                self.snaps.setdefault((g, e), dict(self.live))
-                self.snaps.pop((g, e - 4), None)
-                self.next_epoch[g] += 1
+        while self.next_epoch * REFRESH_S <= now:
+            e = self.next_epoch
+            self.snaps.setdefault(e, dict(self.live))
+            self.snaps.pop(e - 4, None)
+            self.next_epoch += 1
 
     def for_worker(self, w: int) -> dict[int, int]:
-        if self.model == "live":
-            return self.live
-        g = w if self.model == "own-timer" else 0
         at = self.now + self.rng.uniform(0.0, ARRIVAL_SPREAD_S)
-        e = math.floor((at - self.phases[g]) / REFRESH_S) - (self.model == "50ms-late")
-        snap = self.snaps.get((g, e))
+        e = math.floor(at / REFRESH_S) - self.lag
+        snap = self.snaps.get(e)
         if snap is None:  # past the last boundary ticked (the spread crossed one): now
             snap = dict(self.live) if e >= 0 else dict.fromkeys(self.live, 0)
-            self.snaps[(g, e)] = snap
+            self.snaps[e] = snap
         return snap
 
 
@@ -372,11 +332,9 @@ def run_one(
     seed: int,
     o_hit: float,
 ) -> dict[str, Any]:
-    # Replay (the most expensive part at 8 workers) only the real configurations: with one
-    # shared index every worker has the same state and ring, so a replay at equal loads
-    # agrees by construction, and with a shared template set the ring keys do. Of the
-    # fleet variants, the one with shared 50 ms snapshots (the others differ only in
-    # what table each worker is handed, which the replay equalises anyway).
+    # Replay (the most expensive part at 8 workers) once per mode: the late table differs
+    # from the 50 ms one only in what table each worker is handed, which the replay
+    # equalises anyway.
     pool = WorkerPool(workers, replicas, seed, variant, replay=variant in REPLAYED)
     slots = 4 * replicas if wl != "b" else max(2, replicas)
     t0 = time.perf_counter()
@@ -469,34 +427,6 @@ def workload(wl: str, replicas: int) -> sim.Workload:
     return Epochs(per * replicas, seed) if wl == "e" else sim.Workload(wl, per * replicas, seed)
 
 
-def template_exposure(groups: sim.Workload, replicas: int) -> dict[str, Any]:
-    """Of the workload's prompts, how many have a ring key that depends on template
-    knowledge (more than ``key_blocks`` blocks past the template), once it is known."""
-    r = make_router("prefix", RoutingConfig())
-    assert isinstance(r, PrefixAffinityRouter)
-    r.set_members(range(replicas))
-    zero = CandidateLoads(dict.fromkeys(range(replicas), 0), 0)
-    reqs = []
-    for g in range(len(groups)):
-        traj = groups.group(g)[0]
-        req = RouteRequest("/v1/completions", sim.MODEL, {"prompt": traj.prompt(0)})
-        reqs.append(req)
-        r.observe(r.choose(req, zero))  # learn the templates as one process would
-    exposed = 0
-    t_seen: Counter[int] = Counter()
-    for req in reqs:
-        key = r.features(req)
-        assert key is not None
-        t = r.index.template_depth(key.hashes)
-        t_seen[t] += 1
-        exposed += bool(t) and t + r.config.key_blocks < len(key.hashes)
-    return {
-        "prompts": len(reqs),
-        "template_depths": dict(sorted(t_seen.items())),
-        "ring_key_depends_on_templates": round(exposed / len(reqs), 4),
-    }
-
-
 def run(replicas: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "replicas": replicas,
@@ -505,7 +435,6 @@ def run(replicas: int) -> dict[str, Any]:
         "groups_per_replica": {"a/c": GROUPS_PER_REPLICA, "b": MULTI_TURN_GROUPS_PER_REPLICA},
         "assignment": "each request to a uniformly random worker (random.Random(seed))",
         "runs": {},
-        "exposure": {},
     }
     for wl in WORKLOADS:
         groups = workload(wl, replicas)
@@ -537,18 +466,10 @@ def run(replicas: int) -> dict[str, Any]:
                     flush=True,
                 )
         out["runs"][wl] = rows
-        out["exposure"][wl] = template_exposure(groups, replicas)
     return out
 
 
 # -- reporting ----------------------------------------------------------------------------
-
-
-def _d(x: float | None, ref: float | None, pct: bool = False) -> str:
-    if x is None or ref is None:
-        return ""
-    diff = x - ref
-    return f"{diff * 100:+.2f} pp" if pct else f"{diff:+.3f}"
 
 
 def _replay(m: dict[str, Any]) -> str:
@@ -560,51 +481,14 @@ def _replay(m: dict[str, Any]) -> str:
     )
 
 
-def table_lines(data: dict[str, Any]) -> list[str]:
-    lines = [
-        "| workload | workers | index | co-location | Δ | groups on one replica | Δ "
-        "| continuation | in-flight max/mean (time avg) | Δ | peak in-flight max "
-        "(max/mean) | served max/mean | hit vs oracle | reasons ring/affinity/spill "
-        "| replay disagree (ring key/affinity) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for wl, rows in data["runs"].items():
-        ref = rows["1/local"]["mean"]
-        for key, row in rows.items():
-            if "/" not in key:
-                continue
-            n, variant = key.split("/")
-            m = row["mean"]
-            rs = m["reasons"]
-            cont = m["continuation_same_replica"]
-            lines.append(
-                f"| {wl} | {n} | {variant} | {m['colocation']:.2%} | "
-                f"{_d(m['colocation'], ref['colocation'], True)} | {m['groups_whole']:.2%} | "
-                f"{_d(m['groups_whole'], ref['groups_whole'], True)} | "
-                f"{'' if cont is None else format(cont, '.2%')} | "
-                f"{m['inflight_max_over_mean']:.3f} | "
-                f"{_d(m['inflight_max_over_mean'], ref['inflight_max_over_mean'])} | "
-                f"{m['peak_inflight_max']:.1f} ({m['peak_max_over_mean']:.2f}) | "
-                f"{m['served_max_over_mean']:.3f} | {m['hit_vs_oracle']:.4f} | "
-                f"{rs.get('ring', 0):.1%}/{rs.get('affinity', 0):.1%}/{rs.get('spill', 0):.1%} | "
-                f"{_replay(m)} |"
-            )
-    return lines
-
-
 SUMMARY = (
     ("local", "per worker (before)"),
     ("fleet-50ms", "fleet: one 50 ms snapshot"),
     ("fleet-50ms-late", "fleet: snapshot 50-100 ms old"),
 )
-STRESS = (
-    ("fleet-live", "fleet: live counts"),
-    ("fleet-own-timer", "fleet: each worker's own 50 ms timer"),
-    (FOLLOW, "counterfactual: repeats follow each worker's record"),
-)
 
 
-def summary_lines(data: dict[str, Any], modes: tuple[tuple[str, str], ...]) -> list[str]:
+def summary_lines(data: dict[str, Any]) -> list[str]:
     """Before/after: the per-worker routers against ``set_workers(N)`` + fleet table."""
     lines = [
         "| workload | workers | routing | groups on one replica | after warm-up | "
@@ -614,7 +498,7 @@ def summary_lines(data: dict[str, Any], modes: tuple[tuple[str, str], ...]) -> l
     ]
     for wl, rows in data["runs"].items():
         for n in WORKERS:
-            for variant, label in modes if n > 1 else (("local", "one process"),):
+            for variant, label in SUMMARY if n > 1 else (("local", "one process"),):
                 m = rows[f"{n}/{variant}"]["mean"]
                 cont = m["continuation_same_replica"]
                 lines.append(
@@ -627,141 +511,32 @@ def summary_lines(data: dict[str, Any], modes: tuple[tuple[str, str], ...]) -> l
     return lines
 
 
-def finding_fleet(data: dict[str, Any]) -> str:
-    """The fix, in one paragraph from the measured numbers."""
+def finding(data: dict[str, Any]) -> str:
+    """The figures ``docs/routing.md`` states, from this run (the why is there)."""
     runs = data["runs"]
-
-    def m(wl: str, key: str) -> dict[str, Any]:
-        mean: dict[str, Any] = runs[wl][key]["mean"]
-        return mean
-
-    a2, a8 = m("a", "2/fleet-50ms"), m("a", "8/fleet-50ms")
-    l2, l8 = m("a", "2/fleet-50ms-late"), m("a", "8/fleet-50ms-late")
-    b2, b8 = m("b", "2/fleet-50ms"), m("b", "8/fleet-50ms")
-    ob2, ob8 = m("b", "2/local"), m("b", "8/local")
     multi = [n for n in WORKERS if n > 1]
-    fleet = ("fleet-50ms", "fleet-50ms-late")
     worst_whole = min(
-        m(wl, f"{n}/{v}")["groups_whole"] for wl in "ac" for n in multi for v in fleet
+        runs[wl][f"{n}/{v}"]["mean"]["groups_whole"] for wl in "ace" for n in multi for v in FLEET
     )
     worst_d = max(
-        m(wl, f"{n}/{v}")["inflight_max_over_mean"] - m(wl, f"{n}/local")["inflight_max_over_mean"]
+        runs[wl][f"{n}/{v}"]["mean"]["inflight_max_over_mean"]
+        - runs[wl][f"{n}/local"]["mean"]["inflight_max_over_mean"]
         for wl in runs
         for n in multi
-        for v in fleet
+        for v in FLEET
     )
-    live8, own8 = m("a", "8/fleet-live"), m("a", "8/fleet-own-timer")
-    e8, oe8, fe8 = m("e", "8/fleet-50ms"), m("e", "8/local"), m("e", f"8/{FOLLOW}")
+    whole = {n: {v: runs["a"][f"{n}/{v}"]["mean"]["groups_whole"] for v in VARIANTS} for n in multi}
     return (
-        "**With `set_workers(N)` and the fleet table.** A new key's replica is the bounded-"
-        "load ring walk over the fleet-wide snapshot (`set_fleet_loads`), keyed one block "
-        "past the template, so every worker that routes a sibling under the same snapshot "
-        "computes the same replica; the private index steers only continuations (a prompt "
-        "extending one this worker sent). Groups of (a) entirely on one replica: "
-        f"{a2['groups_whole']:.1%} at 2 workers and {a8['groups_whole']:.1%} at 8 with one "
-        f"50 ms snapshot for all workers, {l2['groups_whole']:.1%} and {l8['groups_whole']:.1%} "
-        "when it is published a period late (50-100 ms old); over (a), (c) and (e), both "
-        "tables, "
-        f"at worst {worst_whole:.1%}. What still splits: a group whose samples straddle a "
-        "refresh (they arrive over up to 3 ms here) and template warm-up (a worker that has "
-        "not yet seen a template's 32 successors keys the prompt differently: the replay "
-        "shows it as `template`; after the first quarter of the run "
-        f"{a8['groups_whole_after_warmup']:.1%} of (a)'s groups are whole at 8 workers). "
-        "A prompt a worker has served before is placed like a new one (the index does not "
-        "get a say), which is what keeps repeats whole: (e), the same prompts over "
-        f"{EPOCHS} epochs, {e8['groups_whole']:.1%} of groups on one replica at 8 workers "
-        f"(per-worker routers {oe8['groups_whole']:.1%}; following each worker's record, "
-        f"as one process does, {fe8['groups_whole']:.1%}). Its price is cross-epoch cache "
-        "reuse: a repeat whose walk moved since the last epoch misses the prefix still cached "
-        f"where it went then (hit vs oracle {e8['hit_vs_oracle']:.3f} against "
-        f"{oe8['hit_vs_oracle']:.3f} for the per-worker routers, "
-        f"{fe8['hit_vs_oracle']:.3f} following records). Load: in-flight max/mean at most "
-        f"{worst_d:+.3f} against the per-worker routers in any row (negative is better), "
-        f"e.g. (a) {a2['inflight_max_over_mean']:.3f} / {a8['inflight_max_over_mean']:.3f} at "
-        f"2 / 8 workers. Multi-turn (b) gains most: continuation on the same replica "
-        f"{ob2['continuation_same_replica']:.1%} -> {b2['continuation_same_replica']:.1%} at 2 "
-        f"workers and {ob8['continuation_same_replica']:.1%} -> "
-        f"{b8['continuation_same_replica']:.1%} at 8 (the key block is one every turn shares; "
-        "what is left at 8 is conversations whose group the walk moved, which a worker that "
-        "never saw them cannot know). The table must be one snapshot for all workers: fed "
-        f"live counts, (a) at 8 workers keeps {live8['groups_whole']:.1%} of groups whole "
-        "(a sibling's own dispatch changes the next sibling's view), and with each worker "
-        f"sampling on its own 50 ms timer {own8['groups_whole']:.1%}."
-    )
-
-
-def finding(data: dict[str, Any]) -> str:
-    """The index question, answered in one paragraph from the measured numbers."""
-    runs = data["runs"]
-
-    def m(wl: str, key: str) -> dict[str, Any]:
-        mean: dict[str, Any] = runs[wl][key]["mean"]
-        return mean
-
-    one, lo2, lo8 = m("a", "1/local"), m("a", "2/local"), m("a", "8/local")
-    sh2, sh8 = m("a", "2/shared"), m("a", "8/shared")
-    b1, b8 = m("b", "1/local"), m("b", "8/local")
-    ex = data["exposure"]
-    multi = [n for n in WORKERS if n > 1]
-    worst_ring = max(m(wl, f"{n}/local")["replay_disagree_ring_key"] for wl in runs for n in multi)
-    worst_tpl = max(
-        abs(m(wl, f"{n}/local")["colocation"] - m(wl, f"{n}/shared-templates")["colocation"])
-        for wl in runs
-        for n in multi
-    )
-
-    def moved(x: dict[str, Any]) -> float:
-        return float(x["new_key_moved_by_load"]) / max(1e-9, float(x["ring_decisions"]))
-
-    def aff(x: dict[str, Any]) -> float:
-        return float(x["replay_disagree_affinity"]) / max(1e-9, float(x["replay_disagree"]))
-
-    return (
-        "**Is the learned index shared, or provably neutral for a GRPO group?** Neither: "
-        "each worker builds its own `PrefixIndex`, and it does change groups' replicas, "
-        "through affinity rather than templates. In one process a group's first sample "
-        "takes the ring and its 7 siblings follow by affinity "
-        f"({one['index_decisions']:.1%} of (a)'s decisions come from the index; bounded "
-        f"load moves {moved(one):.0%} of first samples off their ring home, harmlessly, "
-        "since the siblings follow). With N workers a sibling that lands on a worker that "
-        "has not seen its group takes that worker's own ring walk over that worker's own "
-        f"counts (ring decisions: {lo2['ring_decisions']:.1%} of requests at 2 workers, "
-        f"{lo8['ring_decisions']:.1%} at 8), so whenever one worker moved the first sample "
-        "and another did not, the group splits. Replayed at equal loads with their own "
-        f"learned state, the workers would disagree on {lo2['replay_disagree']:.1%} (2 "
-        f"workers) and {lo8['replay_disagree']:.1%} (8) of (a)'s requests, "
-        f"{aff(lo2):.0%} and {aff(lo8):.0%} of that from affinity; co-location falls to "
-        f"{lo2['colocation']:.1%} ({lo2['groups_whole']:.1%} of groups whole) at 2 workers "
-        f"and {lo8['colocation']:.1%} ({lo8['groups_whole']:.1%}) at 8, where one shared "
-        f"index would keep {sh2['colocation']:.1%} and {sh8['colocation']:.1%}. 2 workers "
-        "are worse than 8 because each worker's bound is still ~1.15x *its* share of the "
-        f"load, so its walk moves {moved(lo2):.0%} of its ring decisions, as one process "
-        "does, but each worker moves different groups; at 8 the per-worker "
-        f"floor `min_load_bound` = 8 dominates (moves {moved(lo8):.0%}), which co-locates "
-        "better and balances worse: in-flight max/mean "
-        f"{lo8['inflight_max_over_mean']:.2f} vs {one['inflight_max_over_mean']:.2f}, "
-        f"peak {lo8['peak_inflight_max']:.0f} vs {one['peak_inflight_max']:.0f} in flight "
-        "(a shared index does not fix that: "
-        f"{sh8['inflight_max_over_mean']:.2f}). The template path is real but small: a worker "
-        "that has detected a template keys the ring `key_blocks` past it, one that has not "
-        "keys on the whole capped prompt, which differ only for prompts longer than "
-        f"template + 8 blocks ({ex['a']['ring_key_depends_on_templates']:.1%} of (a)'s "
-        f"prompts, {ex['c']['ring_key_depends_on_templates']:.1%} of (c)'s) and only while "
-        "the workers' template sets differ (warm-up); template-driven disagreement is at "
-        f"most {worst_ring:.2%} of replayed requests in any run, and sharing the template "
-        f"set alone moves co-location by at most {worst_tpl * 100:.2f} pp. Multi-turn (b) "
-        "is hit hardest: a continuation usually lands on a worker that did not serve the "
-        "previous turn, and until a conversation is `key_blocks` past its template the "
-        "ring key of the grown prompt differs from the previous turn's, so at 8 workers "
-        "continuation on the same replica falls to "
-        f"{b8['continuation_same_replica']:.1%} (from {b1['continuation_same_replica']:.0%}) "
-        f"and hit rate vs oracle to {b8['hit_vs_oracle']:.3f} "
-        f"(from {b1['hit_vs_oracle']:.3f})."
+        "Groups of (a) entirely on one replica with one 50 ms snapshot: "
+        + ", ".join(f"{whole[n]['fleet-50ms']:.1%} at {n} workers" for n in multi)
+        + " (per-worker routers: "
+        + ", ".join(f"{whole[n]['local']:.1%}" for n in multi)
+        + f"); over (a), (c) and (e), both tables, at worst {worst_whole:.1%}. In-flight "
+        f"max/mean at most {worst_d:+.3f} against the per-worker routers in any row."
     )
 
 
 def write_markdown(data: dict[str, Any], path: Path) -> None:
-    ex = data["exposure"]
     lines = [
         "# Routing with N data-plane workers (in-process simulation)",
         "",
@@ -769,67 +544,22 @@ def write_markdown(data: dict[str, Any], path: Path) -> None:
         f"`bench/routing.py`'s workloads: {data['replicas']} replicas, "
         f"{data['groups_per_replica']['a/c']} groups per replica on (a) GRPO and (c) hot "
         f"prefix, {data['groups_per_replica']['b']} on (b) multi-turn, and (e) = (a)'s first "
-        f"quarter of prompts sent in each of {EPOCHS} epochs (a small dataset trained for "
-        "several epochs: a worker holds a record of where it sent each prompt last time); "
-        "G = 8. Each worker is "
-        'a real `PrefixAffinityRouter` (`make_router("prefix", RoutingConfig())`) that '
-        "sees only its own requests in flight. **Assignment model: each request goes to a "
-        "uniformly random worker** (seeded; the kernel spreading TRL's keep-alive "
-        "connections, per request), so a group's 8 samples meet up to 8 workers. Means "
-        f"over seeds {data['seeds']} for N > 1; Δ is against 1 worker (identical to "
-        "`bench/routing.py`'s `prefix` policy, and so is one worker after `set_workers(1)` "
-        "fed a fleet table: asserted).",
+        f"quarter of prompts sent in each of {EPOCHS} epochs; G = 8. Each worker is a real "
+        '`PrefixAffinityRouter` (`make_router("prefix", RoutingConfig())`) that sees only '
+        "its own requests in flight; each request goes to a uniformly random worker "
+        f"(seeded). Means over seeds {data['seeds']} for N > 1. One worker is "
+        "`bench/routing.py`'s `prefix` policy, also after `set_workers(1)` (asserted). "
+        'Why and what it means: `docs/routing.md`, "Across data-plane workers".',
         "",
-        "## Before and after: per-worker routers vs `set_workers(N)` with the fleet table",
+        "`per worker (before)`: each worker's own router on its own counts. `fleet`: "
+        "`set_workers(N)` and `set_fleet_loads` with one snapshot of the fleet-wide counts "
+        "every 50 ms of simulated time (0-50 ms old), or published a period late (50-100 ms "
+        "old). `after warm-up`: groups after the first quarter of the run. `replay "
+        "disagree`: every worker handed the same snapshot and replayed the request; the "
+        "fraction on which they would not all pick one replica, by cause: template set "
+        "(ring key) / index (affinity).",
         "",
-        "`per worker (before)`: each worker's own router on its own counts (`--workers N` "
-        "without this change). `fleet`: `set_workers(N)` and `set_fleet_loads` with the "
-        "fleet-wide counts (summed over workers), as one snapshot every 50 ms of simulated "
-        "time handed to every worker (0-50 ms old), or the same snapshots published one "
-        "period late (50-100 ms old, the interface's worst case). A request reads the "
-        "snapshot current at its arrival, up to 3 ms after the sim sends it (a group's "
-        "samples spread over a few ms), so some groups straddle a refresh. `after warm-up`: "
-        "groups after the first quarter of the run. `replay disagree`: every worker handed "
-        "the same snapshot and replayed the request; the fraction on which they would not "
-        "all pick one replica, by cause: template set (ring key) / index (affinity).",
-        "",
-        *summary_lines(data, SUMMARY),
-        "",
-        "Stress rows (how *not* to feed the table): `live` = the exact fleet counts at "
-        "every decision; `own timer` = each worker snapshots the counts every 50 ms at its "
-        "own phase (worker w at w/N of the period), so two workers' tables differ by up to "
-        "50 ms of traffic. And the design's counterfactual: with one 50 ms snapshot, but a "
-        "prompt a worker served verbatim before follows that worker's record (as one "
-        "process's affinity does) instead of being placed like a new key.",
-        "",
-        *summary_lines(data, STRESS),
-        "",
-        finding_fleet(data),
-        "",
-        "## Every variant",
-        "",
-        "`index`: `local` is the per-worker routers; `shared-templates` and `shared` are "
-        "counterfactuals (template set, or the whole index, shared between workers; loads "
-        "still local); `fleet-*` are `set_workers(N)` with the tables above.",
-        "",
-        *table_lines(data),
-        "",
-        "Columns: co-location = fraction of a group's requests on its most common replica; "
-        "in-flight max/mean = the busiest replica's time-averaged in-flight count over the "
-        "mean (`bench/routing.py`'s definition); peak in-flight max = the highest in-flight "
-        "count any replica reached (and its ratio to the mean replica peak); reasons as "
-        "fractions of requests; replay disagree = fraction of requests for which the "
-        "workers, replayed at equal loads with their own learned state, would not all pick "
-        "the same replica (by cause: different ring keys from different template sets / "
-        "affinity of some worker elsewhere); replayed for `local` and `fleet-50ms` (there "
-        "with every worker handed the deciding worker's snapshot) only (for the "
-        "counterfactuals the ring-key part, or all of it, is 0 by construction).",
-        "",
-        f"Template depths of the prompts once learned (blocks of 64 tokens): (a) "
-        f"{ex['a']['template_depths']}, (c) {ex['c']['template_depths']}, (b) "
-        f"{ex['b']['template_depths']}.",
-        "",
-        "## The prefix index without `set_workers` (the per-worker routers)",
+        *summary_lines(data),
         "",
         finding(data),
         "",
@@ -849,7 +579,7 @@ def write_plot(data: dict[str, Any], path: Path) -> bool:
     )
     for ax, (metric, title) in zip(axes, metrics, strict=True):
         for (wl, rows), marker in zip(data["runs"].items(), "os^D", strict=False):
-            for variant, style in (("local", "-"), ("shared", ":"), ("fleet-50ms", "--")):
+            for variant, style in (("local", "-"), ("fleet-50ms", "--")):
                 ys = [rows[f"{n}/{variant if n > 1 else 'local'}"]["mean"][metric] for n in WORKERS]
                 ax.plot(WORKERS, ys, style, marker=marker, label=f"({wl}) {variant}")
         ax.set_xscale("log", base=2)
@@ -871,31 +601,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--out", type=Path, default=HERE / "results")
-    ap.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="override a RoutingConfig field (e.g. fleet_key_blocks=8); repeatable",
-    )
     args = ap.parse_args(argv)
-    for item in args.set:
-        name, _, value = item.partition("=")
-        OVERRIDES[name] = type(getattr(RoutingConfig(), name))(value)
     t0 = time.perf_counter()
     data = run(args.replicas)
     data["wall_s"] = round(time.perf_counter() - t0, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "workers_routing" if args.replicas == 8 else f"workers_routing-r{args.replicas}"
-    if OVERRIDES:
-        stem += "-" + "-".join(f"{k}={v}" for k, v in sorted(OVERRIDES.items()))
-        data["overrides"] = dict(OVERRIDES)
     (args.out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
     write_markdown(data, args.out / f"{stem}.md")
     plotted = write_plot(data, args.out / f"{stem}.png")
-    print("\n".join(summary_lines(data, SUMMARY + STRESS)))
-    print()
-    print(finding_fleet(data))
+    print("\n".join(summary_lines(data)), finding(data), sep="\n\n")
     print(
         f"wrote {args.out}/{stem}.{{json,md{',png' if plotted else ''}}} in {data['wall_s']} s"
         + ("" if plotted else " (matplotlib missing: no PNG)")

@@ -1,5 +1,5 @@
-"""``bench/workers_routing.py`` on a tiny workload (a few seconds): its worker pool and
-shared-index variants, then its fleet variants.
+"""``bench/workers_routing.py`` on a tiny workload (a few seconds): its worker pool,
+then its fleet variants.
 
 The unit tests (``test_fleet.py``) pin the mechanism; this pins the measured claim on the
 bench's own model: N workers with ``set_workers(N)`` and one shared 50 ms snapshot keep a
@@ -30,15 +30,11 @@ def test_one_worker_is_the_prefix_policy(wr: ModuleType) -> None:
     assert row["hit_rate"] == sim.summarize(base, 1.0)["hit_rate"]
 
 
-@pytest.mark.parametrize("variant", ["local", "shared-templates", "shared"])
-def test_pool_accounts_and_shared_index_agrees(wr: ModuleType, variant: str) -> None:
+def test_pool_accounts_and_replays_every_request(wr: ModuleType) -> None:
     groups = wr.sim.Workload("a", 24, seed=5)
-    row = wr.run_one("a", groups, 2, 2, variant, 1, 1.0)  # asserts every count returns to 0
+    row = wr.run_one("a", groups, 2, 2, "local", 1, 1.0)  # asserts every count returns to 0
     assert row["requests"] == 24 * wr.sim.G
-    if variant == "shared":
-        assert row["colocation"] >= 0.99
-    else:
-        assert row["replay_requests"] == (row["requests"] if variant == "local" else 0)
+    assert row["replay_requests"] == row["requests"]
 
 
 def test_one_worker_with_set_workers_is_the_prefix_policy(wr: ModuleType) -> None:
@@ -65,8 +61,8 @@ def test_fleet_snapshot_keeps_groups_whole(wr: ModuleType, workers: int, groups:
 
 
 def test_tables_models(wr: ModuleType) -> None:
-    """The snapshot models: shared tables are the same object for every worker; a late
-    one lags a period; each worker's own timer differs."""
+    """The snapshot models: one table is the same object for every worker; a late one lags
+    a period."""
     t = wr._Tables("50ms", 4, 2, seed=0)
     t.live[0] = 5
     t.tick(0.06)  # the 50 ms boundary: a snapshot of the counts then
@@ -77,9 +73,3 @@ def test_tables_models(wr: ModuleType) -> None:
     late.live[1] = 3
     late.tick(0.06)
     assert late.for_worker(0) == {0: 0, 1: 0}  # still the snapshot taken at 0
-    own = wr._Tables("own-timer", 4, 2, seed=0)
-    own.live[0] = 7
-    own.tick(0.02)  # past worker 1's phase (12.5 ms) only
-    assert own.for_worker(1)[0] == 7 and own.for_worker(3)[0] == 0
-    live = wr._Tables("live", 4, 2, seed=0)
-    assert live.for_worker(0) is live.live
