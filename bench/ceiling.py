@@ -4,9 +4,9 @@ Fronts: ``direct`` (upstream 1 itself), ``gateway`` (the current tree, ``--log-l
 WARNING``), ``vllm-router`` (Rust, ``round_robin``), ``floor`` (``_floor`` below: a bare
 asyncio protocol on uvloop + httptools forwarding round robin through the gateway's own
 upstream client, no ASGI server and no gateway feature: what a Python proxy can do on this
-core) and, non-streaming only, ``passthrough``: the smallest proxy on uvicorn + aiohttp
-(``_passthrough`` below), where the gateway stood before its own client and server
-protocol. All sit in front of the SAME two instant
+core). The ``passthrough`` front of earlier runs (uvicorn + aiohttp, where the gateway stood
+before its own client and server protocol) is ``bench/ceiling.py`` at ``4a5220d``; the
+committed result still has its row. All sit in front of the SAME two instant
 upstreams, which this script runs itself (``_upstream`` below): a non-streaming request gets
 ``bench.lib.upstream``'s canned ~0.9 KB completion; a request with ``"stream": true``
 gets 16 vLLM-shaped SSE token events and ``data: [DONE]``, each event its own HTTP chunk and
@@ -41,7 +41,7 @@ CPU 1; the load client, both upstreams and py-spy on CPU 0.
     .venv/bin/python bench/ceiling.py --quick    # smoke, ~1-2 minutes, writes nothing
     # like for like: both fronts round robin (the gateway's default is prefix affinity)
     .venv/bin/python bench/ceiling.py --gateway-router round_robin --modes non-streaming \
-        --no-passthrough --out-dir /tmp/ceiling-round-robin
+        --out-dir /tmp/ceiling-round-robin
 
 Writes ``ceiling.{json,md,png}``, ``ceiling-profile.svg`` and ``ceiling-profile.raw.txt`` in
 ``--out-dir`` (default ``bench/results/ceiling``, the result the docs cite).
@@ -72,7 +72,7 @@ sys.path.insert(0, str(HERE.parent))  # run by path: bench.lib
 
 from bench.lib import cpu, load  # noqa: E402
 from bench.lib.fronts import BIN, CLIENT_CPU, FRONT_CPU, PY, Fleet, Front, pin, split_cores  # noqa: E402
-from bench.lib.report import fmt_load, loadavg, machine_info, write  # noqa: E402
+from bench.lib.report import fmt_load, loadavg, machine_info, pyplot, write  # noqa: E402
 from bench.lib.rounds import Budget, med, rotated  # noqa: E402
 from bench.lib.upstream import STREAM_TOKENS, serve_forever  # noqa: E402
 
@@ -88,8 +88,7 @@ PACKAGES = (
     "py-spy",
 )
 MODES = ("non-streaming", "streaming")
-FRONTS = ("direct", "passthrough", "floor", "gateway", "vllm-router")
-PASSTHROUGH_MODES = ("non-streaming",)  # the floor matters for the 3,000 req/s target
+FRONTS = ("direct", "floor", "gateway", "vllm-router")
 DEFAULT_RATES = (500, 1000, 1500, 2000, 2500, 3000, 4000, 5000, 6000, 8000)
 # Streams cost every front more per request: a finer ladder lower down.
 DEFAULT_STREAM_RATES = (250, 500, 750, 1000, 1500, 2000, 3000, 4000, 5000, 6000)
@@ -97,77 +96,6 @@ ADDED_P99_LIMIT_MS = 10.0
 MIN_ACHIEVED = 0.97
 MAX_LATE = 0.01
 TARGET_RPS = 3000.0
-# ---------------------------------------------------------------------------------------------
-# The stack's floor, run as `ceiling.py _passthrough --port P --replica U ...`: the smallest
-# proxy on the gateway's own stack (uvicorn + uvloop + httptools, raw ASGI, one aiohttp
-# session set up like gateway/http/upstream.py, round robin), with no routing, metrics, header
-# hygiene or error handling. What it sustains bounds what any gateway on this stack can.
-
-
-def passthrough_main(argv: list[str]) -> int:
-    import itertools
-    import socket
-
-    import aiohttp
-    import uvicorn
-    from yarl import URL
-
-    parser = argparse.ArgumentParser(prog="ceiling.py _passthrough")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--replica", action="append", required=True)
-    args = parser.parse_args(argv)
-    bases = [u.rstrip("/") for u in args.replica]
-    turn = itertools.cycle(range(len(bases)))
-    urls: dict[tuple[int, str], URL] = {}
-    state: dict[str, aiohttp.ClientSession] = {}
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (msg := await receive())["type"] != "lifespan.shutdown":
-                state["session"] = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                    cookie_jar=aiohttp.DummyCookieJar(),
-                    auto_decompress=False,
-                    skip_auto_headers=("User-Agent",),
-                )
-                await send({"type": "lifespan.startup.complete"})
-            await state["session"].close()
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        body, more = b"", True
-        while more:
-            msg = await receive()
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-        key = (next(turn), scope["path"])
-        url = urls.get(key) or urls.setdefault(key, URL(bases[key[0]] + key[1], encoded=True))
-        headers = {"content-type": "application/json"} if body else {}
-        async with state["session"].request(
-            scope["method"], url, data=body or None, headers=headers
-        ) as resp:
-            out = [(b"content-type", resp.headers.get("content-type", "").encode())]
-            if resp.content_length is None:  # SSE: relay as it comes
-                await send({"type": "http.response.start", "status": resp.status, "headers": out})
-                async for chunk in resp.content.iter_any():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b""})
-                return
-            data = await resp.read()
-            out.append((b"content-length", str(len(data)).encode()))
-            await send({"type": "http.response.start", "status": resp.status, "headers": out})
-            await send({"type": "http.response.body", "body": data})
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as gateway/http/serving.py
-    sock.bind(("127.0.0.1", args.port))
-    config = uvicorn.Config(
-        app, loop="uvloop", http="httptools", access_log=False, log_level="warning"
-    )
-    uvicorn.Server(config).run(sockets=[sock])
-    return 0
-
-
 # ---------------------------------------------------------------------------------------------
 # Python's floor, run as `ceiling.py _floor --port P --replica U ...`: no ASGI server at all.
 # A bare asyncio protocol parses requests with httptools and answers each in one write, and
@@ -295,22 +223,18 @@ def fleet_up(
     log_dir: Path,
     *,
     with_router: bool = True,
-    with_passthrough: bool = True,
-    stream_writes: str = "event",
     gateway_router: str | None = None,
     router_policy: str = "round_robin",
 ) -> Iterator[tuple[Fleet, dict[str, Front]]]:
-    """Two upstreams, the gateway and vllm-router (same flags as ``bench/overhead.py``),
-    the floor and the minimal pass-through; every front on the front core, all ready."""
+    """Two upstreams, the gateway and vllm-router (same flags as ``bench/overhead.py``)
+    and the floor; every front on the front core, all ready."""
     with Fleet(log_dir, split_cores(placement)) as fleet:
-        replicas = [up.url for up in fleet.upstreams(2, stream_writes=stream_writes)]
+        replicas = [up.url for up in fleet.upstreams(2)]
         fronts = {"direct": Front("direct", replicas[0], fleet.procs[0])}
         flags = ["--router", gateway_router] if gateway_router else []
         fronts["gateway"] = fleet.gateway(replicas, flags=flags)
         own = [PY, str(Path(__file__).resolve())]
         to = [f"--replica={u}" for u in replicas]
-        if with_passthrough:
-            fronts["passthrough"] = fleet.serve("passthrough", [*own, "_passthrough", *to])
         fronts["floor"] = fleet.serve("floor", [*own, "_floor", *to])
         router = fleet.vllm_router(replicas, router_policy) if with_router else None
         if router is not None:
@@ -832,84 +756,14 @@ def render_profile(report: dict[str, Any]) -> list[str]:
         top = "; ".join(f"`{t['frame']}` {t['share']:.1%}" for t in d["top"][:3])
         lines.append(f"| {layer} | {d['share']:.1%} | {d['share'] * us:.0f} | {top} |")
     lines.append("")
-    lines += render_why(report, prof)
     return lines
 
 
-def render_why(report: dict[str, Any], prof: dict[str, Any]) -> list[str]:
-    """If 3,000 req/s is out of reach: the CPU per request of the gateway, the floor and
-    vllm-router at the same offered rate, and the profile's split of the difference."""
-    non = report["modes"].get(MODES[0], {})
-    lad = non.get("ladder", {})
-    ceilings = lad.get("ceilings", {})
-    g = ceilings.get("gateway", {}).get("max_sustained_rps", 0.0)
-    if g >= TARGET_RPS or not g or "floor" not in ceilings:
-        return []
-    at = lad.get("points", {}).get(f"{g:g}", {})
-    cpu = {f: at[f]["front_cpu_us_per_req"] for f in ("gateway", "floor", "vllm-router") if f in at}
-    if "gateway" not in cpu or "floor" not in cpu:
-        return []
-    floor_max = ceilings["floor"]["max_sustained_rps"]
-    router = (
-        f", vllm-router {cpu['vllm-router']:.0f} µs (sustained "
-        f"{ceilings['vllm-router']['max_sustained_rps']:,.0f} req/s)"
-        if "vllm-router" in cpu
-        else ""
-    )
-    asgi = sum(
-        d["share"]
-        for layer, d in prof["layers"].items()
-        if layer in ("uvicorn/httptools server", "Starlette/ASGI")
-    )
-    gap = cpu["gateway"] - cpu["floor"]
-    server = asgi * cpu["gateway"]
-    closed = non.get("closed_loop", {}).get("summary", {})
-    measured = ("gateway", "floor", "vllm-router")
-    have = [f for f in measured if "front_user_us_per_req" in closed.get(f, {})]
-    split_text = ""
-    if "gateway" in have and "floor" in have:
-        user = {f: closed[f]["front_user_us_per_req"] for f in have}
-        kernel = {f: closed[f]["front_sys_us_per_req"] for f in have}
-        split = "; ".join(f"{f} {user[f]:.0f} + {kernel[f]:.0f}" for f in have)
-        d_user = user["gateway"] - user["floor"]
-        d_all = d_user + kernel["gateway"] - kernel["floor"]
-        split_text = (
-            f" Closed loop at {CONNECTIONS} in flight, user + kernel CPU µs per request: {split}."
-            f" Of the gateway's {d_all:.0f} µs more than the floor, {d_user:.0f} µs are user "
-            "space: Python executed per request."
-        )
-    can = (
-        "a Python proxy can pass the target on this core, so the language is not the limit"
-        if floor_max >= TARGET_RPS
-        else "even the floor stays below the target here"
-    )
-    return [
-        "**Why the gateway stops where it does.** It is one Python process (one event loop) "
-        f"on one core: {TARGET_RPS:,.0f} req/s leaves {1e6 / TARGET_RPS:.0f} µs of CPU per "
-        f"request. At {g:,.0f} req/s, the gateway's ceiling, the fronts used: gateway "
-        f"{cpu['gateway']:.0f} µs/req, floor {cpu['floor']:.0f} µs{router}. The floor (a bare "
-        "asyncio protocol on uvloop + httptools that forwards round robin through the "
-        "gateway's own upstream client, with no ASGI server and no gateway feature) "
-        f"sustained {_fmt_rate(floor_max, ceilings['floor']['limit_reached'], 0)} req/s: "
-        f"{can}. "
-        f"The gateway's extra {gap:.0f} µs/req is its stack and its features: the profile "
-        f"puts {asgi:.0%} of the gateway's samples (≈ {server:.0f} µs/req) in uvicorn and "
-        "the ASGI layer, and the rest in per-request work the floor does not do (prefix-"
-        "affinity routing over the prompt's blocks, the JSON parse and limits, header "
-        f"hygiene, admission, outlier and retry bookkeeping, metrics).{split_text}",
-        "",
-    ]
-
-
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    if (plt := pyplot()) is None:
+        return
     colors = {
         "direct": "tab:gray",
-        "passthrough": "tab:green",
         "floor": "tab:olive",
         "gateway": "tab:blue",
         "vllm-router": "tab:orange",
@@ -967,8 +821,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_passthrough"]:
-        return passthrough_main(argv[1:])
     if argv[:1] == ["_floor"]:
         return floor_main(argv[1:])
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
@@ -990,12 +842,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-seconds", type=float, default=15.0, help="0 = no profile")
     parser.add_argument("--modes", default=",".join(MODES), help="non-streaming,streaming")
     parser.add_argument("--placement", choices=("split", "none"), default="split")
-    parser.add_argument(
-        "--stream-writes",
-        choices=("event", "one"),
-        default="event",
-        help="upstream writes each SSE event separately (default) or a stream in one write",
-    )
     parser.add_argument("--budget-s", type=float, default=900.0, help="whole run, seconds")
     parser.add_argument("--no-router", action="store_true", help="skip vllm-router")
     parser.add_argument(
@@ -1005,9 +851,6 @@ def main(argv: list[str] | None = None) -> int:
         "--router-policy", default="round_robin", help="vllm-router --policy (like for like: "
         "--gateway-router round_robin)",
     )  # fmt: skip
-    parser.add_argument(
-        "--no-passthrough", action="store_true", help="skip the minimal pass-through front"
-    )
     parser.add_argument("--out-dir", type=Path, default=HERE / "results" / "ceiling")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
@@ -1035,22 +878,12 @@ def main(argv: list[str] | None = None) -> int:
     profile: dict[str, Any] | None = None
     fleet_kw = {
         "with_router": not args.no_router,
-        "with_passthrough": not args.no_passthrough,
-        "stream_writes": args.stream_writes,
         "gateway_router": args.gateway_router,
         "router_policy": args.router_policy,
     }
     with fleet_up(args.placement, log_dir, **fleet_kw) as (fleet, all_fronts):
-
-        def fronts_for(mode: str) -> dict[str, Front]:
-            return {
-                f: u
-                for f, u in all_fronts.items()
-                if f != "passthrough" or mode in PASSTHROUGH_MODES
-            }
-
         for mode in modes:  # warm-up: connections, pools, allocators
-            for front in fronts_for(mode).values():
+            for front in all_fronts.values():
                 run_client(
                     fleet,
                     front,
@@ -1062,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
         closed = {
             mode: closed_loop(
                 fleet,
-                fronts_for(mode),
+                all_fronts,
                 stream=mode == MODES[1],
                 reps=args.reps,
                 seconds=args.closed_seconds,
@@ -1070,13 +903,12 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes
         }
         for i, mode in enumerate(modes):
-            # Time left, shared by the remaining modes in proportion to their fronts.
+            # Time left, shared equally by the remaining modes.
             left = args.budget_s - clock.elapsed() - profile_reserve
-            weights = [len(fronts_for(m)) for m in modes[i:]]
-            deadline = clock.elapsed() + left * weights[0] / sum(weights)
+            deadline = clock.elapsed() + left / (len(modes) - i)
             lad = ladder(
                 fleet,
-                fronts_for(mode),
+                all_fronts,
                 stream=mode == MODES[1],
                 rates=ladders[mode],
                 reps=args.reps,
@@ -1107,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
             "closed_seconds": args.closed_seconds,
             "connections": CONNECTIONS,
             "stream_tokens": STREAM_TOKENS,
-            "stream_writes": args.stream_writes,
+            "stream_writes": "event",
             "gateway_router": args.gateway_router or "prefix (default)",
             "router_policy": args.router_policy,
             "rule": {
