@@ -21,11 +21,10 @@ token ids are drawn lazily (numpy, seeded per group, identical for every policy)
 starts, and each prompt's cache block hashes are computed once and reused by its siblings
 and later turns (``BlockPrefixCache.query`` semantics, via ``_Cache.query_hashes``).
 
-Policies: ``prefix`` (ours), ``least_loaded``, ``round_robin`` and ``blog``: a from-scratch
-re-implementation of the HF blog proxy's learned index (16-token chained blake2b blocks seeded
-by the adapter name; learn block -> replica; ignore template blocks with >= 2 successors or
-seen on every replica; best match unless > 8 in flight ahead of the least loaded, else least
-loaded with round robin on ties). The oracle is one replica with N times the cache.
+Policies: ``prefix`` (ours), ``least_loaded`` and ``round_robin``. The oracle is one replica
+with N times the cache. The re-implementation of the HF blog proxy's learned index that
+earlier runs compared against is ``bench/routing.py`` at ``4a5220d`` (its figures:
+``docs/routing.md``).
 
 Decision cost is measured separately (``route_timing``): each request's ``choose`` (pure) is
 timed 5 times and the fastest kept (``min5``: the decision's own cost, without preemption by
@@ -36,7 +35,6 @@ GC pauses and preemption).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import heapq
 import json
 import os
@@ -161,67 +159,6 @@ class _Cache(BlockPrefixCache):
         return hit * self.block_size
 
 
-# -- the blog's learned-index policy (re-implemented for comparison) ---------------------
-
-
-class BlogLearnedIndexRouter:
-    """Re-implementation of the HF blog proxy's policy (not ours; see module docstring)."""
-
-    name = "blog"
-
-    def __init__(self, n_replicas: int) -> None:
-        self.owner: dict[bytes, int] = {}
-        self.succ: dict[bytes, set[bytes]] = defaultdict(set)
-        self.seen_on: dict[bytes, set[int]] = defaultdict(set)
-        self.n = n_replicas
-        self.rr = 0
-
-    def _blocks(self, req: RouteRequest) -> list[bytes]:
-        ids = req.payload["prompt"]
-        h = hashlib.blake2b(str(req.model).encode(), digest_size=8).digest()
-        out = []
-        for i in range(0, len(ids) - 15, 16):
-            h = hashlib.blake2b(h + repr(ids[i : i + 16]).encode(), digest_size=8).digest()
-            out.append(h)
-        return out
-
-    def _template(self, b: bytes) -> bool:
-        return len(self.succ.get(b, ())) >= 2 or len(self.seen_on.get(b, ())) >= self.n
-
-    def choose(self, request: RouteRequest, candidates: Sequence[Any]) -> Decision:
-        loads = (
-            candidates.loads
-            if isinstance(candidates, CandidateLoads)
-            else {c.index: c.in_flight for c in candidates}
-        )
-        best = None
-        for b in self._blocks(request):
-            r = self.owner.get(b)
-            if r is None:
-                break
-            if not self._template(b) and r in loads:
-                best = r
-        low = min(loads.values())
-        ties = sorted(i for i, v in loads.items() if v == low)
-        least = ties[self.rr % len(ties)]
-        if best is None:
-            return Decision(least, Reason.FALLBACK, None)
-        if loads[best] > low + 8:
-            return Decision(least, Reason.SPILL, None)
-        return Decision(best, Reason.AFFINITY, None)
-
-    def learn(self, request: RouteRequest, replica: int) -> None:
-        blocks = self._blocks(request)
-        for i, b in enumerate(blocks):
-            self.owner[b] = replica
-            self.seen_on[b].add(replica)
-            if i + 1 < len(blocks):
-                self.succ[b].add(blocks[i + 1])
-
-    def observe(self, decision: Decision) -> None:
-        self.rr += 1
-
-
 class _Single:
     name = "oracle"
 
@@ -273,7 +210,6 @@ def simulate(
     gone = n // 2 if churn and n > 1 else -1
     left = False
     last_replica: dict[int, int] = {}
-    blog = router if isinstance(router, BlogLearnedIndexRouter) else None
 
     def account(r: int) -> None:
         res.inflight_area[r] += loads[r] * (now - last_t[r])
@@ -288,8 +224,6 @@ def simulate(
         d = router.choose(req, cands)
         res.route_ns.append(time.perf_counter_ns() - t0)
         router.observe(d)
-        if blog is not None:
-            blog.learn(req, d.replica)
         r = d.replica
         res.reasons[d.reason.value] += 1
         res.ring_moved += d.moved_by_load
@@ -453,8 +387,6 @@ def route_timing(n: int, groups: Workload, rounds: int = 3) -> dict[str, float]:
 
 
 def make_policy(name: str, n: int) -> Router:
-    if name == "blog":
-        return BlogLearnedIndexRouter(n)
     if name == "oracle":
         return _Single()
     r = make_router(name)
@@ -463,7 +395,7 @@ def make_policy(name: str, n: int) -> Router:
     return r
 
 
-POLICIES = ("prefix", "least_loaded", "round_robin", "blog")
+POLICIES = ("prefix", "least_loaded", "round_robin")
 
 
 T0 = time.perf_counter()
@@ -493,8 +425,6 @@ def run(quick: bool) -> dict[str, Any]:
             o_hit = oracle.hits / max(1, oracle.queries)
             row: dict[str, Any] = {"oracle_hit_rate": round(o_hit, 4), "groups": groups_n}
             for pol in POLICIES:
-                if pol == "blog" and n == 256 and wl != "a":
-                    continue  # O(blocks x N) per request: too slow for the time budget
                 t0 = time.perf_counter()
                 res = simulate(make_policy(pol, n), groups, n, slots, churn=wl == "d")
                 row[pol] = summarize(res, o_hit) | {"sim_s": round(time.perf_counter() - t0, 1)}
@@ -519,8 +449,7 @@ def write_markdown(data: dict[str, Any], path: Path) -> None:
     lines = [
         "# Routing benchmark (in-process simulation)",
         "",
-        "Generated by `bench/routing.py`; see `docs/routing.md`. `blog` is our "
-        "re-implementation of the HF blog proxy's learned-index policy. Groups per replica: "
+        "Generated by `bench/routing.py`; see `docs/routing.md`. Groups per replica: "
         f"{data['groups_per_replica']['a/c/d']} (a, c, d), {data['groups_per_replica']['b']} "
         f"(b, multi-turn). Wall time {data.get('wall_s', '?')} s.",
         "",
@@ -608,24 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI smoke: N=2,4, small workloads")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    ap.add_argument(
-        "--timing-only",
-        action="store_true",
-        help="re-measure only the decision cost (e.g. on a quieter box) into the existing JSON",
-    )
     args = ap.parse_args(argv)
     stem = "routing-quick" if args.quick else "routing"
-    if args.timing_only:
-        data = json.loads((args.out / f"{stem}.json").read_text())
-        for n in data["route_timing"]:
-            data["route_timing"][n] = route_timing(
-                int(n), Workload("a", 64 if args.quick else 256, seed=99)
-            )
-            print(n, data["route_timing"][n], flush=True)
-        data["route_timing_load_average"] = round(os.getloadavg()[0], 2)
-        (args.out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
-        write_markdown(data, args.out / f"{stem}.md")
-        return 0
     t0 = time.perf_counter()
     data = run(args.quick)
     data["wall_s"] = round(time.perf_counter() - t0, 1)
