@@ -6,9 +6,8 @@ One run starts, on 127.0.0.1:
 * ``--fakes`` (4) instant fake replicas (``bench.lib.upstream``), one core each;
 * one front per (front, core count) in ``--fronts`` x ``--cores``, all up for the whole run
   and idle between their measurements: ``python -m gateway serve --workers N`` (N = the
-  front's cores, ``--gateway-workers match``; no ``--workers`` flag when N is 1, so today's
-  single-process gateway runs too) and ``vllm-router`` ``--policy round_robin`` (``rr``) /
-  ``cache_aware`` (``bench.lib.fronts``). Each front is pinned with
+  front's cores; no ``--workers`` flag when N is 1) and ``vllm-router`` ``--policy
+  round_robin`` (``rr``) / ``cache_aware`` (``bench.lib.fronts``). Each front is pinned with
   ``os.sched_setaffinity`` to the first N of the front CPUs before it starts; its
   processes and threads inherit the mask. The gateway on 1 core with 1 worker
   (``gateway@1``) is the base of the scaling efficiency, rps(N) / (N x rps(1));
@@ -73,7 +72,7 @@ sys.path.insert(0, str(HERE.parent))  # run by path: bench.lib
 from rollout_testbed.procs import Proc, stop_all  # noqa: E402
 
 from bench.lib import cpu, load  # noqa: E402
-from bench.lib.fronts import PY, ROOT, Fleet, pin  # noqa: E402
+from bench.lib.fronts import PY, Fleet, pin  # noqa: E402
 from bench.lib.report import fmt_load, loadavg, machine_info, pyplot, write  # noqa: E402
 from bench.lib.rounds import Budget, med, paired_rounds  # noqa: E402
 
@@ -205,35 +204,13 @@ def key_of(front: Front) -> str:
     return front.key
 
 
-def gateway_workers(mode: str, cores: int) -> int | str:
-    if mode == "match":
-        return cores
-    if mode == "auto":
-        return "auto"  # --workers auto: the gateway counts its usable (pinned) cores
-    return int(mode)
-
-
-def gateway_has_workers() -> bool:
-    out = subprocess.run(
-        [PY, "-m", "gateway", "serve", "--help"],
-        capture_output=True,
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
-    return b"--workers" in out.stdout
-
-
 def start_front(
     front: Front, fake_urls: list[str], log_dir: Path, args: argparse.Namespace, loadgens: int
 ) -> None:
     fleet = Fleet(log_dir / front.key, {"front": set(front.cpus)})
     front.fleet = fleet
     if front.kind == "gateway":
-        # 1 worker: no flag, so a gateway without --workers runs too.
-        flags = ["--router", args.gateway_router] if args.gateway_router else []
-        if front.workers != 1:
-            flags += ["--workers", str(front.workers)]
+        flags = ["--workers", str(front.workers)] if front.workers != 1 else []
         started = fleet.gateway(fake_urls, flags=flags)
     else:
         router = fleet.vllm_router(fake_urls, POLICY[front.kind])
@@ -259,7 +236,7 @@ def measure(
         raise RuntimeError(
             f"{front.key} exited ({front.proc.returncode}):\n{front.proc.log_tail()}"
         )
-    start_at = time.time() + args.spawn_s + args.warmup_s
+    start_at = time.time() + SPAWN_S + args.warmup_s
     children: list[tuple[subprocess.Popen[bytes], Path]] = []
     try:
         for i, url in enumerate(front.urls):
@@ -276,7 +253,7 @@ def measure(
             children.append((child, lat))
         root = front.proc.pid if front.proc is not None else None
         # The front's and the fakes' CPU over the measured window (this process's clock).
-        time.sleep(max(0.0, min(start_at - time.time(), args.spawn_s + args.warmup_s + 5)))
+        time.sleep(max(0.0, min(start_at - time.time(), SPAWN_S + args.warmup_s + 5)))
         fakes0 = [cpu.cpu_s(p) for p in fake_pids]
         front0 = cpu.tree_ns(root) if root else {}
         t0 = time.monotonic()
@@ -672,19 +649,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help=f"interleaved rounds, medians reported "
         f"(default {DEFAULTS['rounds']}; smoke {SMOKE['rounds']})",
     )
-    parser.add_argument(
-        "--gateway-workers",
-        default="match",
-        help="match (workers = front cores, default), auto (the gateway's own "
-        "default: no --workers flag) or a number for every core count",
-    )
-    parser.add_argument("--gateway-router", help="the gateway's --router (default: its own)")
-    parser.add_argument("--no-base", action="store_true", help="skip gateway@1 (efficiency base)")
-    parser.add_argument("--no-direct", action="store_true", help="skip direct (harness ceiling)")
     parser.add_argument("--loadgens", type=int, help="load generator processes (default 4)")
     parser.add_argument("--fakes", type=int, help="instant fake replicas (default 4)")
     parser.add_argument("--connections", type=int, help="per load generator (default 64)")
-    parser.add_argument("--spawn-s", type=float, default=SPAWN_S, help="children's start slack")
     parser.add_argument(
         "--budget-s",
         type=float,
@@ -698,7 +665,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "2 loadgens x 16 connections, 2 fakes, 3 s, 1 round",
     )
     parser.add_argument("--out-dir", type=Path, help="default bench/results (smoke: a tmp dir)")
-    parser.add_argument("--note", default="", help="free text recorded in the report")
     args = parser.parse_args(argv)
     scale = SMOKE if args.smoke else DEFAULTS
     for k, v in scale.items():
@@ -717,12 +683,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.front_kinds = [f.strip() for f in args.fronts.split(",") if f.strip()]
     if unknown := set(args.front_kinds) - set(FRONT_KINDS):
         parser.error(f"--fronts: unknown {sorted(unknown)} (choose from {FRONT_KINDS})")
-    if args.gateway_workers not in ("match", "auto"):
-        try:
-            if int(args.gateway_workers) < 1:
-                raise ValueError
-        except ValueError:
-            parser.error("--gateway-workers: match, auto or a number >= 1")
     if min(args.duration_s, args.rounds, args.loadgens, args.fakes, args.connections) <= 0:
         parser.error("durations, rounds, loadgens, fakes and connections must be > 0")
     return args
@@ -732,18 +692,12 @@ def plan(args: argparse.Namespace, layout: Layout) -> list[Front]:
     """Every front to start and measure; gateway@1 (1 worker, 1 core) is the base."""
     fronts: list[Front] = []
     counts = list(args.core_counts)
-    if "gateway" in args.front_kinds and not args.no_base and 1 not in counts:
+    if "gateway" in args.front_kinds and 1 not in counts:
         fronts.append(Front("gateway@1", "gateway", 1, layout.front[:1], [], workers=1))
     for n in counts:
         for kind in args.front_kinds:
-            key, workers = f"{kind}@{n}", None
-            if kind == "gateway":
-                workers = gateway_workers(args.gateway_workers, n)
-                if workers != n:  # not the matched layout: the key says so
-                    key += f"w{workers}"
-                    if n == 1 and "gateway@1" not in {f.key for f in fronts}:
-                        fronts.append(Front("gateway@1", "gateway", 1, layout.front[:1], [], 1))
-            fronts.append(Front(key, kind, n, layout.front[:n], [], workers=workers))
+            workers = n if kind == "gateway" else None
+            fronts.append(Front(f"{kind}@{n}", kind, n, layout.front[:n], [], workers=workers))
     return fronts
 
 
@@ -761,17 +715,10 @@ def main(argv: list[str] | None = None) -> int:
     fronts = plan(args, layout)
     if hasattr(os, "sched_setaffinity"):  # this process's own scans and waits: harness CPUs
         os.sched_setaffinity(0, set(layout.loadgen) | set(layout.fake))
-    if "gateway" in args.front_kinds:
-        wanted = [str(f.workers) for f in fronts if f.kind == "gateway" and f.workers != 1]
-        if wanted and not gateway_has_workers():
-            raise SystemExit(
-                f"cores.py: `python -m gateway serve` in {ROOT} has no --workers flag yet; "
-                f"workers {sorted(set(wanted))} were asked for (use --gateway-workers 1)"
-            )
-    direct = None if args.no_direct else Front("direct", "direct", 0, [], [])
-    measured = fronts + ([direct] if direct else [])
+    direct = Front("direct", "direct", 0, [], [])
+    measured = [*fronts, direct]
     every = list(measured)  # the report's rows, those that failed to start included
-    est = estimate_s(len(measured), args.rounds, args.duration_s, args.warmup_s, args.spawn_s)
+    est = estimate_s(len(measured), args.rounds, args.duration_s, args.warmup_s)
     print(
         f"cores.py: {len(measured)} measurements x {args.rounds} rounds, estimated "
         f"{est:.0f} s; layout: {layout.describe()}",
@@ -781,12 +728,10 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix=f"cores-{os.getpid()}-"))
     out_dir: Path = args.out_dir or (log_dir if args.smoke else HERE / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    gw_flags = "--host 127.0.0.1 --log-level WARNING" + (
-        f" --router {args.gateway_router}" if args.gateway_router else ""
-    )
+    gw_flags = "--host 127.0.0.1 --log-level WARNING"
     config: dict[str, Any] = {
         "command": shlex.join(getattr(sys, "orig_argv", [PY, *sys.argv])),
-        "note": args.note,
+        "note": "",
         "cores": args.core_counts,
         "fronts": args.front_kinds,
         "duration_s": args.duration_s,
@@ -795,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadgens": args.loadgens,
         "fakes": args.fakes,
         "connections": args.connections,
-        "gateway_workers": args.gateway_workers,
+        "gateway_workers": "match",
         "gateway_flags": gw_flags,
         "router_flags": "--policy round_robin | cache_aware (vllm-router defaults otherwise)",
         "smoke": args.smoke,
@@ -829,8 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fakes = harness.upstreams(args.fakes, roles=[f"fake{i}" for i in range(args.fakes)])
         fake_urls, fake_pids = [f.url for f in fakes], [f.pid for f in fakes]
-        if direct is not None:
-            direct.urls = [fake_urls[i % len(fake_urls)] for i in range(args.loadgens)]
+        direct.urls = [fake_urls[i % len(fake_urls)] for i in range(args.loadgens)]
         for f in fronts:
             start_front(f, fake_urls, log_dir, args, args.loadgens)
         for f in fronts:

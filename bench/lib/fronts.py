@@ -117,12 +117,10 @@ class Fleet:
         proc = self.start(name, [*argv, "--port", str(port)], role, env=env, cwd=cwd, url=url)
         return Front(name, url, proc)
 
-    def upstreams(
-        self, n: int, *, stream_writes: str = "event", roles: Sequence[str] = ()
-    ) -> list[Front]:
+    def upstreams(self, n: int, *, roles: Sequence[str] = ()) -> list[Front]:
         """``n`` instant fake upstreams (``bench.lib.upstream``), ready: each on the CPUs of
         its role in ``roles``, or on the client CPUs."""
-        argv = [PY, "-m", "bench.lib.upstream", "--stream-writes", stream_writes]
+        argv = [PY, "-m", "bench.lib.upstream"]
         ups = [
             self.serve(f"upstream{i + 1}", argv, roles[i] if roles else "client") for i in range(n)
         ]

@@ -2,12 +2,12 @@
 
 A benchmark of a front must measure the front, so the upstream does nothing: ``GET
 /health`` -> 200; a body with ``"stream": true`` -> 16 vLLM-shaped SSE token events and
-``data: [DONE]``, each event its own HTTP chunk and (``--stream-writes event``) its own
+``data: [DONE]``, each event its own HTTP chunk and its own
 ``write()``, like a token flush; anything else -> one canned ~0.9 KB completion. (The
 FastAPI sim replica serves ~800 req/s on the 2-core machine, below every front, so it
 cannot be the upstream of a throughput benchmark.)
 
-    python -m bench.lib.upstream --port 9101 [--stream-writes event|one]
+    python -m bench.lib.upstream --port 9101
 """
 
 from __future__ import annotations
@@ -138,10 +138,7 @@ async def serve_forever(factory: Callable[[], asyncio.Protocol], port: int) -> N
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--stream-writes", choices=("event", "one"), default="event")
     args = parser.parse_args(argv)
-    if args.stream_writes == "one":
-        Upstream.stream_chunks = [b"".join(Upstream.stream_chunks)]
     uvloop.run(serve_forever(Upstream, args.port))
     return 0
 
