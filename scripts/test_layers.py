@@ -20,6 +20,7 @@ Standard library only: it runs with the gateway venv's python before anything el
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -57,6 +58,7 @@ class Layer:
     needs: str | None = None
     provides: str | None = None
     bound_s: float = 1800.0
+    concurrent: bool = False  # run the commands at once rather than one after another
 
 
 LAYERS: tuple[Layer, ...] = (
@@ -74,7 +76,16 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "fast",
         "unit, property and integration tests on simulated replicas (no vLLM, no containers)",
-        ((PY, *PYTEST, "-m", "not e2e", "--ignore=tests/container"),),
+        # Two pytest processes at once, the fault suite and the rest, of about equal length:
+        # most of these tests wait on sockets, timers and subprocesses, so the layer takes
+        # about 0.6x the time of one process on 2 cores. The fault suite stays one process
+        # (test_secrets scans every fault fleet of the session; test_fuzz's last test reads
+        # the campaign before it).
+        (
+            (PY, *PYTEST, "tests/faults"),
+            (PY, *PYTEST, "-m", "not e2e", "--ignore=tests/container", "--ignore=tests/faults"),
+        ),
+        concurrent=True,
     ),
     Layer(
         "install-vllm",
@@ -161,64 +172,83 @@ def pytest_counts(tail: str) -> dict[str, int]:
     return counts
 
 
-def run_command(argv: tuple[str, ...], env: dict[str, str]) -> tuple[int, str]:
-    """Run one command in its own process group, echoing its output; when the layer's
-    alarm fires, end the whole group (pytest's children: replicas, gateways) and return
-    124."""
-    proc = subprocess.Popen(
-        argv,
-        cwd=REPO,
-        env={**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        text=True,
-        errors="replace",
-    )
-    assert proc.stdout is not None
-    tail: list[str] = []
-    try:
-        for line in proc.stdout:  # a silent hang is caught by the alarm below
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            tail = [*tail[-199:], line]
-        return proc.wait(), "".join(tail)
-    except TimeoutError:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return 124, "".join(tail)
+@dataclass
+class Running:
+    """One command of a layer, started in its own process group with its output in a file
+    (so that concurrent commands do not interleave, and a killed one keeps what it wrote)."""
+
+    argv: tuple[str, ...]
+    proc: subprocess.Popen[bytes]
+    log: Path
+    shown: int = 0  # bytes of the log already echoed
+
+    @classmethod
+    def start(cls, argv: tuple[str, ...], env: dict[str, str], log: Path) -> Running:
+        with log.open("wb") as out:
+            proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env}, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        return cls(argv, proc, log)
+
+    def echo(self) -> None:
+        """Print what the command wrote since the last call."""
+        with self.log.open("rb") as fh:
+            fh.seek(self.shown)
+            chunk = fh.read()
+        self.shown += len(chunk)
+        sys.stdout.write(chunk.decode(errors="replace"))
+        sys.stdout.flush()
+
+    def kill(self) -> None:
+        """End the whole group: pytest's children (replicas, gateways) too."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def tail(self) -> str:
+        return self.log.read_bytes()[-20_000:].decode(errors="replace")
 
 
-def run_layer(layer: Layer) -> Outcome:
+def run_commands(layer: Layer, logs: Path) -> tuple[list[int], str]:
+    """Run the layer's commands, one after another or all at once (``concurrent``), under
+    the layer's bound; return their exit codes (124: killed at the bound) and the tails
+    of their output. A sequential command's output is echoed as it comes; concurrent
+    ones are echoed whole, one after another, when they are all done."""
+    deadline = time.monotonic() + layer.bound_s
+    batches = [layer.commands] if layer.concurrent else [(argv,) for argv in layer.commands]
+    rcs: list[int] = []
+    tails: list[str] = []
+    for batch in batches:
+        running = [Running.start(argv, layer.env, logs / f"{layer.name}.{len(rcs) + i}.log")
+                   for i, argv in enumerate(batch)]  # fmt: skip
+        while any(r.proc.poll() is None for r in running) and time.monotonic() < deadline:
+            if not layer.concurrent:
+                running[0].echo()
+            time.sleep(0.5)
+        for r in running:
+            if r.proc.poll() is None:
+                r.kill()
+                rcs.append(124)
+            else:
+                rcs.append(r.proc.returncode)
+            if layer.concurrent:
+                print(f"\n----- {' '.join(r.argv[-3:])}", flush=True)
+            r.echo()
+            tails.append(r.tail())
+        if 124 in rcs:
+            break
+    return rcs, "\n".join(tails)
+
+
+def run_layer(layer: Layer, logs: Path) -> Outcome:
     print(f"\n===== layer {layer.name}: {layer.proves}", flush=True)
     start = time.monotonic()
-    rcs: list[int] = []
-    counts: dict[str, int] = {}
-
-    def on_alarm(signum: int, frame: object) -> None:
-        raise TimeoutError
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, layer.bound_s)
-    try:
-        for argv in layer.commands:
-            try:
-                rc, tail = run_command(argv, layer.env)
-            except TimeoutError:  # the alarm fired outside the read loop
-                rc, tail = 124, ""
-            rcs.append(rc)
-            for key, n in pytest_counts(tail).items():
-                counts[key] = counts.get(key, 0) + n
-            if rc == 124:
-                break
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+    rcs, tails = run_commands(layer, logs)
     seconds = time.monotonic() - start
     if 124 in rcs:
         result = f"timed out after {layer.bound_s:.0f} s"
     else:
         result = "passed" if all(rc == 0 for rc in rcs) else "failed"
-    return Outcome(layer.name, result, seconds, counts)
+    return Outcome(layer.name, result, seconds, pytest_counts(tails))
 
 
 def summary(outcomes: list[Outcome], total_s: float) -> str:
@@ -238,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", metavar="LAYER", help="run just these layers")
     ap.add_argument("--list", action="store_true", help="list the layers and exit")
     ap.add_argument("--json", type=Path, default=REPO / ".run" / "test-layers.json")
+    ap.add_argument("--logs", type=Path, default=REPO / ".run" / "test-layers",
+                    help="where each command's whole output is kept")  # fmt: skip
     args = ap.parse_args(argv)
     names = [layer.name for layer in LAYERS]
     if args.list:
@@ -249,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown layer(s) {', '.join(unknown)}; the layers are {', '.join(names)}")
     chosen = [layer for layer in LAYERS if not args.only or layer.name in args.only]
 
+    logs: Path = args.logs
+    logs.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     outcomes: list[Outcome] = []
     missing: dict[str, str] = {}  # what a failed step should have provided -> its name
@@ -256,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         if layer.needs in missing:
             outcomes.append(Outcome(layer.name, f"not run: {missing[layer.needs]} failed", 0.0))
             continue
-        outcome = run_layer(layer)
+        outcome = run_layer(layer, logs)
         outcomes.append(outcome)
         if layer.provides and not outcome.ok:
             missing[layer.provides] = layer.name
