@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.deploy._proc import sim_replica as _sim_replica
+
 UPSTREAM_TOKEN = "hf_TESTSECRET_upstream_7Qx9"
 CLIENT_KEY = "sk-TESTSECRET-client-4Fz2"
 ADMIN_KEY = "sk-TESTSECRET-admin-8Lm3"
@@ -43,3 +45,11 @@ def _no_secret_in_logs() -> Iterator[None]:
     root.setLevel(previous)
     leaks = [line for line in RECORDER.lines if any(s in line for s in SECRETS)]
     assert not leaks, f"secrets leaked into {len(leaks)} log lines, e.g. {leaks[0][:200]}"
+
+
+@pytest.fixture
+def sim_replica() -> Iterator[str]:
+    """One ``rollout-testbed sim-replica`` process for the test; yields its base URL once
+    it answers (``tests/deploy/_proc.py``)."""
+    with _sim_replica() as url:
+        yield url

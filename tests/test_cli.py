@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from rollout_testbed.procs import Proc, free_port, sim_argv, wait_http
+from rollout_testbed.procs import free_port, wait_http
 
 from tests.conftest import CLIENT_KEY, UPSTREAM_TOKEN
 
@@ -31,15 +30,6 @@ def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
         proc.kill()
         out, err = proc.communicate()
     return out, err
-
-
-@pytest.fixture
-def sim_replica() -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with Proc("sim-replica", sim_argv(port, python=PY), url=url, new_session=False) as proc:
-        proc.wait_http("/health", request_timeout=1.0)
-        yield url
 
 
 def test_help_documents_every_flag() -> None:

@@ -8,12 +8,11 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from rollout_testbed.procs import Proc, free_port, sim_argv
+from rollout_testbed.procs import Proc, free_port
 
 from gateway.cli import NO_FLAG, _serve_parser
 from gateway.config import Settings, load_settings
@@ -116,15 +115,6 @@ def test_routing_typo_fails_at_start_not_when_routing(tmp_path: Path) -> None:
     r = _serve("--config", str(cfg))
     assert r.returncode == 2 and "did you mean 'block_size'?" in r.stderr
     assert "Traceback" not in r.stderr
-
-
-@pytest.fixture
-def sim_replica() -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with Proc("sim-replica", sim_argv(port, python=PY), url=url, new_session=False) as proc:
-        proc.wait_http("/health", request_timeout=1.0)
-        yield url
 
 
 def test_a_running_gateway_takes_the_env_key_file_over_an_inline_yaml_key(
