@@ -21,9 +21,17 @@ VENV_BIN = Path(sys.executable).parent
 
 
 def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The test's environment without any GATEWAY_* leaking in, venv bin first on PATH."""
+    """The environment of every process a test starts: the test's own without any
+    ``GATEWAY_*`` leaking in, the venv's bin first on PATH, unbuffered output, plus
+    ``extra``.
+
+    ``PYTHONDONTWRITEBYTECODE`` is dropped: with it, every one of the suite's ~50 process
+    starts recompiles FastAPI, pydantic and uvicorn from source (~1.4 s of CPU each on this
+    2-core machine, against ~0.6 s with cached bytecode). The caches are git-ignored."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
 

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import os
 import random
 import re
 import sys
@@ -44,6 +43,7 @@ import httpx
 from rollout_testbed.procs import Proc, free_ports, gateway_argv, sim_argv
 
 from tests.conftest import ADMIN_KEY, CLIENT_KEY, SECRETS, UPSTREAM_TOKEN
+from tests.deploy._proc import base_env
 
 __all__ = [
     "ADMIN",
@@ -170,19 +170,6 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 
 
 # --- the fleet --------------------------------------------------------------------------
-
-
-def _clean_env(extra: Mapping[str, str]) -> dict[str, str]:
-    """The test's environment minus ``GATEWAY_*``, plus ``extra``.
-
-    ``PYTHONDONTWRITEBYTECODE`` is dropped: with it, every one of the suite's ~50 process
-    starts recompiles FastAPI, pydantic and uvicorn from source (~1.4 s of CPU each on this
-    2-core machine, against ~0.6 s with cached bytecode). The caches are git-ignored."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env.update(extra)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 @dataclass
@@ -336,13 +323,13 @@ async def fleet(
     *sim_ports, gw_port = free_ports(n + 1)
     for i, port in enumerate(sim_ports):
         argv = echo_argv(port) if echo else sim_argv(port, latency=latency, max_loras=8)
-        sims.append(_proc(f"sim{i}", argv, log_dir, _clean_env({}), port))
+        sims.append(_proc(f"sim{i}", argv, log_dir, base_env({}), port))
     urls = [s.url.replace("://", f"://{userinfo}@") if userinfo else s.url for s in sims]
     extra = ["--upstream-token", UPSTREAM_TOKEN, "--api-key", CLIENT_KEY,
              "--admin-key", ADMIN_KEY, "--health-interval-s", str(health_interval_s),
              "--log-format", "json", "--log-level", log_level, *gateway_args]  # fmt: skip
     argv = gateway_argv(gw_port, urls, extra=extra)
-    env = _clean_env({f"GATEWAY_{k.upper()}": str(v) for k, v in (settings or {}).items()})
+    env = base_env({f"GATEWAY_{k.upper()}": str(v) for k, v in (settings or {}).items()})
     gateway = _proc("gateway", argv, log_dir, env, gw_port)
     capture = Capture()
     timeout = httpx.Timeout(30.0, connect=5.0)
