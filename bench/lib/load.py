@@ -544,6 +544,13 @@ async def connect(host: str, port: int) -> Conn:
     return conn
 
 
+def _target(url: str, path: str, bodies: list[bytes] | None) -> tuple[str, int, list[bytes]]:
+    """The host, port and ready request bytes both load shapes send."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    return host, port, _requests(host, port, path, bodies or make_bodies())
+
+
 async def run_paced(
     url: str,
     *,
@@ -558,9 +565,7 @@ async def run_paced(
     """Offer ``rate`` req/s in total over ``concurrency`` connections, ``requests`` in all."""
     if rate <= 0:
         raise ValueError("rate must be > 0")
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    payloads = _requests(host, port, path, bodies or make_bodies())
+    host, port, payloads = _target(url, path, bodies)
     loop = asyncio.get_running_loop()
     shared = _PacedShared(rate, concurrency, time.perf_counter() + max_seconds, payloads)
     shared.check = check
@@ -610,9 +615,7 @@ async def run_load(
     check: Check | None = None,
 ) -> LoadResult:
     """Drive ``requests`` requests over ``concurrency`` keep-alive connections."""
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    payloads = _requests(host, port, path, bodies or make_bodies())
+    host, port, payloads = _target(url, path, bodies)
     loop = asyncio.get_running_loop()
     shared = _Shared(requests, time.perf_counter() + max_seconds, payloads)
     shared.check = check
