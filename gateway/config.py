@@ -40,10 +40,6 @@ __all__ = ["ReplicaSpec", "RunSpec", "Settings", "load_settings"]
 
 _SECRET_FIELDS = ("upstream_token", "api_key", "admin_key")
 _FILE_FORMS = tuple(f"{name}_file" for name in _SECRET_FIELDS)
-# GATEWAY_* names read by this repository's tooling (Makefile, tests/e2e, HF Jobs' trainer
-# entry), whose environment the gateway inherits; any other unknown GATEWAY_* is refused.
-_TOOLING_ENV = frozenset(("GATEWAY_VLLM_PYTHON", "GATEWAY_E2E_REPLICA_TIMEOUT",
-    "GATEWAY_E2E_REUSE_STATE", "GATEWAY_INSTALL", "GATEWAY_WAIT_S"))  # fmt: skip
 
 
 def _check_names(names: Iterable[str], known: Iterable[str], where: str) -> None:
@@ -343,8 +339,7 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, str]:
     unknown ``GATEWAY_*`` name is an error (its value is never echoed: it may be a secret)."""
     names = [*Settings.model_fields, *_FILE_FORMS]
     known = {f"GATEWAY_{name.upper()}" for name in names} | {"GATEWAY_CONFIG"}
-    given = [k for k in environ if k.startswith("GATEWAY_") and k not in _TOOLING_ENV]
-    _check_names(given, known, "environment variable")
+    _check_names([k for k in environ if k.startswith("GATEWAY_")], known, "environment variable")
     return {
         name: environ[f"GATEWAY_{name.upper()}"]
         for name in names

@@ -37,7 +37,7 @@ PY = str(BIN / "python")
 VLLM_PY = str(REPO / ".venv-vllm" / "bin" / "python")
 # The vLLM venv runs the trainer and the TRL layer from the tree (gateway, testbed, trainer).
 VLLM_ENV = {"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'testbed'}"}
-E2E_ENV = {"GATEWAY_VLLM_PYTHON": VLLM_PY}
+E2E_ENV = {"ROLLOUT_TESTBED_VLLM_PYTHON": VLLM_PY}
 WORKERS_ENV = {"ROLLOUT_TESTBED_WORKERS": "2"}
 PYTEST = ["-m", "pytest", "-q", "--durations=10"]
 VLLM_PYTEST = [*PYTEST, "-p", "no:cacheprovider"]

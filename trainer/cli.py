@@ -1,7 +1,7 @@
 """``python -m trainer`` / ``python -m trainer``: parse flags, run, print the summary.
 
 Standard library only at import time. Run from an interpreter without torch (the
-gateway's own venv), it re-runs itself with the vLLM venv's python (``$GATEWAY_VLLM_PYTHON``
+gateway's own venv), it re-runs itself with the vLLM venv's python (``$ROLLOUT_TESTBED_VLLM_PYTHON``
 or ``<repo>/.venv-vllm/bin/python``) with the repository on ``PYTHONPATH``.
 """
 
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _find_python() -> Path | None:
-    env = os.environ.get("GATEWAY_VLLM_PYTHON")
+    env = os.environ.get("ROLLOUT_TESTBED_VLLM_PYTHON")
     for cand in (Path(env) if env else None, REPO / ".venv-vllm" / "bin" / "python"):
         if cand is not None and cand.exists():
             return cand

@@ -29,7 +29,7 @@ MOUNT_FLAG="${MOUNT_FLAG:---volume=hf://buckets/${BUCKET}:${MOUNT}}"
 REPLICA_URL_TEMPLATE="${REPLICA_URL_TEMPLATE:-}"
 [ -n "$REPLICA_URL_TEMPLATE" ] || REPLICA_URL_TEMPLATE='https://{job_id}.jobs.hf.space'
 
-GATEWAY_INSTALL="${GATEWAY_INSTALL:-rollout-gateway}"
+SIDECAR_INSTALL="${SIDECAR_INSTALL:-rollout-gateway}"
 TRAIN_CMD="${TRAIN_CMD:?set TRAIN_CMD (TRL reads VLLM_SERVER_BASE_URL)}"
 DRY_RUN="${DRY_RUN:-0}"        # 1: print the commands; DRY_RUN_OUT=DIR: also save each
 DRY_RUN_OUT="${DRY_RUN_OUT:-}"  # job's arguments NUL-separated in DIR/job-N (for tests)
@@ -73,7 +73,7 @@ trainer=$(run_job --flavor "$TRAINER_FLAVOR" --timeout "$TIMEOUT" --secrets HF_T
     -e "GATEWAY_REPLICAS=$replicas" \
     -e "GATEWAY_MAX_STALENESS=$MAX_STALENESS" \
     -e "GATEWAY_ADAPTER_ROOTS=$MOUNT" \
-    -e "GATEWAY_INSTALL=$GATEWAY_INSTALL" \
+    -e "SIDECAR_INSTALL=$SIDECAR_INSTALL" \
     -e "ADAPTER_DIR=$MOUNT/adapters" \
     -e "MAX_STALENESS=$MAX_STALENESS" \
     -e "TRAIN_CMD=$TRAIN_CMD" \

@@ -5,11 +5,11 @@
 #   GATEWAY_REPLICAS   comma-separated replica URLs (from launch.sh)
 #   HF_TOKEN           injected by the Job (--secrets HF_TOKEN); becomes the upstream token
 #   TRAIN_CMD          the training command; TRL must use vllm_server_base_url=$VLLM_SERVER_BASE_URL
-#   GATEWAY_INSTALL    optional pip spec to install the gateway first (e.g. a wheel in the bucket)
+#   SIDECAR_INSTALL    optional pip spec to install the gateway first (e.g. a wheel in the bucket)
 set -euo pipefail
 : "${GATEWAY_REPLICAS:?set GATEWAY_REPLICAS}" "${TRAIN_CMD:?set TRAIN_CMD}"
-if [ -n "${GATEWAY_INSTALL:-}" ]; then
-    python -m pip install -q "$GATEWAY_INSTALL"
+if [ -n "${SIDECAR_INSTALL:-}" ]; then
+    python -m pip install -q "$SIDECAR_INSTALL"
 fi
 export GATEWAY_HOST=127.0.0.1
 export GATEWAY_PORT="${GATEWAY_PORT:-8000}"
@@ -30,7 +30,7 @@ stop_gateway() {
 trap stop_gateway EXIT
 
 # Wait until every replica is up (vLLM cold start can take many minutes).
-deadline=$(( $(date +%s) + ${GATEWAY_WAIT_S:-1800} ))
+deadline=$(( $(date +%s) + ${SIDECAR_WAIT_S:-1800} ))
 until python -c "import urllib.request, sys; urllib.request.urlopen(sys.argv[1], timeout=2)" \
         "$VLLM_SERVER_BASE_URL/health" 2>/dev/null; do
     if ! kill -0 "$gateway_pid" 2>/dev/null; then

@@ -226,7 +226,7 @@ def test_hf_jobs_launch_plan(tmp_path: Path) -> None:
         assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in job and "VLLM_SERVER_DEV_MODE=1" in job
         assert "--enable-lora" in job and int(job[job.index("--max-loras") + 1]) >= 4 + 2
     env = dict(trainer[i + 1].split("=", 1) for i, a in enumerate(trainer) if a == "-e")
-    assert set(k for k in env if k.startswith("GATEWAY_")) <= SETTINGS | {"GATEWAY_INSTALL"}
+    assert set(k for k in env if k.startswith("GATEWAY_")) <= SETTINGS
     assert len(env["GATEWAY_REPLICAS"].split(",")) == 3
     assert env["GATEWAY_ADAPTER_ROOTS"] == "/data" and env["ADAPTER_DIR"].startswith("/data/")
     assert trainer[-3:-1] == ["bash", "-c"]
@@ -256,7 +256,7 @@ def test_hf_jobs_trainer_entry_runs_gateway_as_sidecar_process(tmp_path: Path) -
         env = base_env({
             "GATEWAY_REPLICAS": replica, "GATEWAY_PORT": str(free_port()),
             "HF_TOKEN": "hf_TESTSECRET_upstream_7Qx9", "TRAIN_CMD": probe,
-            "GATEWAY_WAIT_S": "60",
+            "SIDECAR_WAIT_S": "60",
         })  # fmt: skip
         res = subprocess.run(
             ["bash", str(HF / "trainer-entry.sh")], env=env, capture_output=True, text=True,

@@ -12,8 +12,8 @@ empty again, so each test starts from replicas that hold no adapter.
 * The gateway is the real app (``create_app``) on a real socket, served in a background
   thread with its own event loop, so tests may be sync or async (any loop scope) and the
   kill/restart test can stop and restart it on the same port.
-* Start budget: ``GATEWAY_E2E_REPLICA_TIMEOUT`` seconds (default 600). The vLLM python is
-  ``rollout_testbed.local.vllm_env.find_vllm_python(None)`` (``GATEWAY_VLLM_PYTHON``).
+* Start budget: ``ROLLOUT_TESTBED_E2E_REPLICA_TIMEOUT`` seconds (default 600). The vLLM python is
+  ``rollout_testbed.local.vllm_env.find_vllm_python(None)`` (``ROLLOUT_TESTBED_VLLM_PYTHON``).
 * If the layer cannot start (no vLLM venv, no disk, a replica crashing), every test
   using it FAILS with the reason. Nothing here ever skips.
 * Everything started here is stopped at session end, by PID/PGID only.
@@ -74,11 +74,11 @@ GATEWAY_SETTINGS: dict[str, Any] = {
 
 
 # Development only: reuse running replicas described by this state file (see below).
-REUSE_ENV = "GATEWAY_E2E_REUSE_STATE"
+REUSE_ENV = "ROLLOUT_TESTBED_E2E_REUSE_STATE"
 
 
 def replica_timeout() -> float:
-    return float(os.environ.get("GATEWAY_E2E_REPLICA_TIMEOUT", "600"))
+    return float(os.environ.get("ROLLOUT_TESTBED_E2E_REPLICA_TIMEOUT", "600"))
 
 
 # --------------------------------------------------------------------------- ordering

@@ -26,7 +26,7 @@ def test_make_demo_trains_through_the_gateway(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "rollout_testbed.demo", "--out", str(out)],
         cwd=tmp_path,
-        env=dict(os.environ, GATEWAY_VLLM_PYTHON=vllm_python()),
+        env=dict(os.environ, ROLLOUT_TESTBED_VLLM_PYTHON=vllm_python()),
         capture_output=True,
         text=True,
         timeout=840,

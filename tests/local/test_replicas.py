@@ -219,7 +219,7 @@ def test_missing_vllm_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_missing_vllm_python_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("GATEWAY_VLLM_PYTHON", str(tmp_path / "nope" / "python"))
+    monkeypatch.setenv("ROLLOUT_TESTBED_VLLM_PYTHON", str(tmp_path / "nope" / "python"))
     assert find_vllm_python(None) == tmp_path / "nope" / "python"
     with pytest.raises(VllmNotInstalledError, match="make vllm"):
         check_vllm_python(None)
@@ -241,7 +241,7 @@ def test_sim_replica_env_imports_the_testbed(tmp_path: Path) -> None:
 
 
 def test_tiny_model_without_torch_exits_2(tmp_path: Path) -> None:
-    env = dict(os.environ, GATEWAY_VLLM_PYTHON=str(tmp_path / "missing" / "python"))
+    env = dict(os.environ, ROLLOUT_TESTBED_VLLM_PYTHON=str(tmp_path / "missing" / "python"))
     res = subprocess.run(
         [sys.executable, "-m", "rollout_testbed.local.tiny_model", str(tmp_path / "m")],
         cwd=REPO,

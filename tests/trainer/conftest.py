@@ -1,6 +1,6 @@
 """tests/trainer runs with the vLLM venv's python (torch, transformers, peft):
 
-    $GATEWAY_VLLM_PYTHON -m pytest tests/trainer
+    $ROLLOUT_TESTBED_VLLM_PYTHON -m pytest tests/trainer
 
 In the gateway venv (no torch) the whole folder is skipped at collection, so the fast
 gateway suite stays torch-free. Third-party deprecation warnings raised inside torch,

@@ -688,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--vllm-python",
         default=None,
-        help="python of the vLLM venv (default: $GATEWAY_VLLM_PYTHON, then .venv-vllm)",
+        help="python of the vLLM venv (default: $ROLLOUT_TESTBED_VLLM_PYTHON, then .venv-vllm)",
     )
     up.add_argument("--sim", action="store_true", help="start sim replicas instead of vLLM")
     up.add_argument(

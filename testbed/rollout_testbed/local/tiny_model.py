@@ -7,7 +7,7 @@ Needs torch, transformers, peft, tokenizers and safetensors, which live in the v
 imports only the standard library at import time and can be run in three ways:
 
 * ``rollout-testbed make-tiny-model DIR`` from the gateway venv: when the heavy packages
-  are missing there, it re-runs itself with the vLLM venv's python (``GATEWAY_VLLM_PYTHON``
+  are missing there, it re-runs itself with the vLLM venv's python (``ROLLOUT_TESTBED_VLLM_PYTHON``
   or ``<repo>/.venv-vllm/bin/python``), or prints the install command and exits 2;
 * ``.venv-vllm/bin/python -m rollout_testbed.local.tiny_model DIR`` from the repository root;
 * ``.venv-vllm/bin/python path/to/rollout_testbed/local/tiny_model.py DIR`` from anywhere:
@@ -49,7 +49,7 @@ NO_DELEGATE_ENV = "ROLLOUT_GATEWAY_TINY_MODEL_NO_DELEGATE"
 INSTALL_HINT = (
     "Install the vLLM venv with `make vllm` (or `bash scripts/install-vllm.sh`), then run\n"
     "  .venv-vllm/bin/python -m rollout_testbed.local.tiny_model DIR   (from the repository root)\n"
-    "or set GATEWAY_VLLM_PYTHON to that venv's python and use "
+    "or set ROLLOUT_TESTBED_VLLM_PYTHON to that venv's python and use "
     "`rollout-testbed make-tiny-model DIR`."
 )
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-VLLM_PYTHON_ENV = "GATEWAY_VLLM_PYTHON"
+VLLM_PYTHON_ENV = "ROLLOUT_TESTBED_VLLM_PYTHON"
 INSTALL_COMMAND = "make vllm  (or: bash scripts/install-vllm.sh)"
 
 
@@ -32,7 +32,8 @@ def default_vllm_python() -> Path:
 
 
 def find_vllm_python(explicit: str | os.PathLike[str] | None) -> Path | None:
-    """--vllm-python, else $GATEWAY_VLLM_PYTHON, else <checkout>/.venv-vllm, else ./.venv-vllm."""
+    """--vllm-python, else $ROLLOUT_TESTBED_VLLM_PYTHON, else <checkout>/.venv-vllm, else
+    ./.venv-vllm."""
     if explicit:
         return Path(explicit)
     env = os.environ.get(VLLM_PYTHON_ENV)
