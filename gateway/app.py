@@ -93,7 +93,7 @@ def build_gateway(settings: Settings, shared: SharedState | None = None) -> Gate
     # flapping replica never reshuffles everyone else's keys.
     router.set_members(pool.indices())
     metrics.watch_router(router)
-    return Gateway(
+    gateway = Gateway(
         settings=settings,
         pool=pool,
         upstream=upstream,
@@ -102,6 +102,8 @@ def build_gateway(settings: Settings, shared: SharedState | None = None) -> Gate
         tenancy=tenancy,
         shared=shared,
     )
+    metrics.watch_control(gateway.control)  # the Gateway makes its FleetControl
+    return gateway
 
 
 def run_table(settings: Settings) -> RunTable:

@@ -6,11 +6,15 @@ from prompts, adapter versions or URLs. Each app owns its own ``CollectorRegistr
 several gateways can live in one process (tests) without colliding.
 
 Per-replica gauges (in-flight, health) are read from the pool at scrape time by a custom
-collector instead of being ``inc()``/``dec()``-ed on the hot path.
+collector instead of being ``inc()``/``dec()``-ed on the hot path; so are the fleet's pause
+state and the replica addresses (``gateway_replica_info``). The registry also holds
+prometheus-client's process and platform collectors (``process_*``, ``python_info``),
+read at scrape time too.
 """
 
 from __future__ import annotations
 
+import platform
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from enum import StrEnum
@@ -20,6 +24,8 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -32,15 +38,17 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from gateway import __version__
 from gateway.fleet.outliers import OutlierDetector
-from gateway.fleet.replicas import ReplicaPool
+from gateway.fleet.replicas import Replica, ReplicaPool
 
 if TYPE_CHECKING:
     from gateway.adapters.manager import AdapterManager
     from gateway.adapters.state import Action, Result, Settlement
+    from gateway.fleet.control import FleetControl
     from gateway.routing.policy import Decision, Router
 
-__all__ = ["CONTENT_TYPE", "Metrics", "RouteKind"]
+__all__ = ["CONTENT_TYPE", "Metrics", "RouteKind", "replica_address"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -146,8 +154,20 @@ class _LoopMetrics(Collector):
         yield from (requests, seconds, routed, decisions, decision_seconds)
 
 
+def replica_address(replica: Replica) -> str:
+    """The replica's URL as ``gateway_replica_info`` shows it: scheme, host, port and path.
+
+    The one URL label the gateway exports, so it carries nothing secret: ``base_url``
+    already lost any ``user:password@`` (that became the ``Authorization`` header, as a
+    token does: neither is ever part of it), and a query string or fragment, which could
+    hold a key, is dropped too."""
+    url = replica.base_url.with_user(None).with_query(None).with_fragment(None)
+    return str(url.with_path(url.raw_path.rstrip("/"), encoded=True))
+
+
 class _PoolCollector(Collector):
-    """Scrape-time view of the pool: in-flight, health and served counts per replica."""
+    """Scrape-time view of the pool: in-flight, health and address per member (so the
+    series follow discovery: a replica added or removed shows up at the next scrape)."""
 
     def __init__(self, pool: ReplicaPool) -> None:
         self._pool = pool
@@ -161,12 +181,65 @@ class _PoolCollector(Collector):
         healthy = GaugeMetricFamily(
             "gateway_replica_healthy", "1 if the replica is in rotation.", labels=["replica"]
         )
+        # The one exception to "no URL in a label": an info metric, 1 per member, mapping
+        # the replica index every other family uses to the address Prometheus scrapes
+        # vLLM's own metrics at (so a panel can join the two). The set is closed (the
+        # configured or discovered members, never a client's input) and the value holds
+        # no credentials (``replica_address``).
+        info = GaugeMetricFamily(
+            "gateway_replica_info",
+            "1 per replica in the pool: its index and URL (no credentials, no query).",
+            labels=["replica", "url"],
+        )
         for replica in self._pool.replicas:
             label = [str(replica.index)]
             in_flight.add_metric(label, replica.in_flight)
             healthy.add_metric(label, 1.0 if replica.up else 0.0)
+            info.add_metric([*label, replica_address(replica)], 1.0)
         yield in_flight
         yield healthy
+        yield info
+
+
+class _ControlCollector(Collector):
+    """The fleet's pause (``FleetControl``), read at scrape time: one gauge for "paused
+    now" and one for when it began, so an alert can say how long it has been held."""
+
+    def __init__(self, control: FleetControl) -> None:
+        self._control = control
+
+    def collect(self) -> Iterator[Metric]:
+        control = self._control
+        paused = GaugeMetricFamily(
+            "gateway_fleet_paused",
+            "1 while a fleet-wide /pause holds the replicas (until /resume).",
+        )
+        paused.add_metric([], 0.0 if control.paused is None else 1.0)
+        since = GaugeMetricFamily(
+            "gateway_fleet_paused_since_seconds",
+            "Unix time the fleet-wide /pause in effect began; 0 while not paused.",
+        )
+        began = control.paused_since if control.paused is not None else None
+        since.add_metric([], began or 0.0)
+        yield paused
+        yield since
+
+
+class _BuildCollector(Collector):
+    """``gateway_build_info``: what is running (the version ``rollout-gateway --version``
+    prints, and the Python), constant for the process's life."""
+
+    def __init__(self) -> None:
+        self._labels = [__version__, platform.python_version()]
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            "gateway_build_info",
+            "1, labelled with the gateway's version and the Python it runs on.",
+            labels=["version", "python"],
+        )
+        info.add_metric(self._labels, 1.0)
+        yield info
 
 
 class _AdapterCollector(Collector):
@@ -340,11 +413,19 @@ class Metrics:
             registry=r,
         )
         r.register(_PoolCollector(pool))
+        r.register(_BuildCollector())
+        # process_* (CPU, memory, fds, start time) and python_info, read from /proc at
+        # scrape time only; with ``--workers N`` the merged /metrics keeps the owner's.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self._request_children: dict[
             tuple[RouteKind, int], tuple[_LoopCounter, _LoopHistogram]
         ] = {}
         self._routed_children: dict[int, _LoopCounter] = {}
         self._decision_children: dict[str, _LoopCounter] = {}
+
+    def watch_control(self, control: FleetControl) -> None:
+        self.registry.register(_ControlCollector(control))
 
     def watch_breakers(self, outliers: OutlierDetector) -> None:
         self.registry.register(_BreakerCollector(outliers))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -48,12 +49,21 @@ class FanOut(Protocol):
 
 
 class FleetControl:
-    def __init__(self, fan_out: FanOut, quorum: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        fan_out: FanOut,
+        quorum: Callable[[], int],
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self._fan_out = fan_out
         self._quorum = quorum
+        self._wall = wall
         self._lock = asyncio.Lock()
         self.paused: str | None = None
         """The query string of the ``/pause`` in effect (``""`` for none), or None."""
+        self.paused_since: float | None = None
+        """Unix time the fleet's pause began (a second ``/pause`` keeps it), or None: an
+        alert on a pause held too long reads it (``gateway_fleet_paused_since_seconds``)."""
 
     async def broadcast(
         self,
@@ -76,9 +86,11 @@ class FleetControl:
                 log.warning("%s: replicas %s lost, left out of the call", path, list(tally.lost))
             if tally.verdict is Verdict.OK:
                 if path == PAUSE:
+                    if self.paused is None:
+                        self.paused_since = self._wall()
                     self.paused = query
                 elif path == RESUME:
-                    self.paused = None
+                    self.paused = self.paused_since = None
                 first = next(r for r in results if r.replica == tally.applied[0])
                 return first, tally
             undone = ""

@@ -7,8 +7,13 @@ Instead the owner asks each worker for its own exposition and adds them up here:
 
 * counters and histograms (every bucket, ``_sum`` and ``_count``) are summed;
 * gauges that count things in flight or held in memory are summed;
-* every other gauge is the owner's (health, adapters, placement: control state the
-  owner alone decides and the workers only copy; breakers, which every process shares).
+* every other gauge is the owner's (health, adapters, placement, the fleet's pause,
+  replica addresses, build info: control state the owner alone decides and the workers
+  only copy; breakers, which every process shares);
+* ``process_*`` and ``python_*`` are the owner's too, counters included: they describe
+  the process that answered, and a sum over processes means nothing for some (start
+  time, fd limit) and overstates others (forked processes share pages, so their RSS
+  does not add up). The whole gateway's CPU and memory are the container's metrics.
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ _SUMMED_GAUGES = frozenset({
 _Key = tuple[str, tuple[tuple[str, str], ...]]
 
 
+_OWNERS_PREFIXES = ("process_", "python_")
+
+
 def _rule(family: Metric) -> str:
+    if family.name.startswith(_OWNERS_PREFIXES):
+        return "owner"
     if family.type == "gauge":
         return "sum" if family.name in _SUMMED_GAUGES else "owner"
     return "sum"
