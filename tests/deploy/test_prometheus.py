@@ -89,6 +89,31 @@ def test_alert_rules_refer_to_exported_metrics() -> None:
             assert names <= exported, (rule["alert"], names - exported)
 
 
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to
+    hyphens (enough for the runbook's headings, which are alert names)."""
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*$", markdown, re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_alert_waits_and_links_its_runbook_section() -> None:
+    """Each alert has a ``for:`` (no alert fires on one evaluation) and a ``runbook_url``
+    naming its own section of docs/alerts.md, which exists; each section is an alert."""
+    rules = yaml.safe_load((PROM_DIR / "alerts.yml").read_text())["groups"]
+    alerts = [rule for group in rules for rule in group["rules"] if "alert" in rule]
+    assert len(alerts) >= 16
+    anchors = _anchors((REPO / "docs" / "alerts.md").read_text())
+    for rule in alerts:
+        name = rule["alert"]
+        assert re.fullmatch(r"[1-9][0-9]*[smh]", str(rule.get("for", ""))), name
+        url = rule["annotations"]["runbook_url"]
+        assert url == f"docs/alerts.md#{name.lower()}", (name, url)
+        assert name.lower() in anchors, f"docs/alerts.md has no section for {name}"
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
+    sections = {a for a in anchors if a.startswith("rolloutgateway")}
+    assert sections == {rule["alert"].lower() for rule in alerts}
+
+
 def test_shipped_prometheus_configs_are_valid(tmp_path: Path) -> None:
     """deploy/compose/prometheus.yml, laid out as its container mounts it (alerts beside)."""
     for config in sorted(REPO.glob("deploy/**/prometheus*.yml")):
