@@ -2,7 +2,8 @@
 (schemaVersion 39) requires, the panels issue 7 asks for, and only metric names that
 exist: the gateway's from its /metrics, ``vllm:*`` from the sim replica's /metrics (or, for
 the two histograms the sim does not model, from the installed vLLM's own definitions); the
-"Runs" row (issue 18) from a multi-run gateway's /metrics."""
+"Runs" row (issue 18) from a multi-run gateway's /metrics; the "Control plane" row
+(issue 26) with the failed control calls as docs/alerts.md defines them."""
 
 from __future__ import annotations
 
@@ -122,6 +123,11 @@ def test_panels_schema_and_layout() -> None:
         "gateway_run_paused",  # paused per run
         "gateway_run_home_replicas",  # home replicas per run
         "gateway_run_live_adapters",  # live adapters per run
+        "gateway_fleet_paused",  # fleet paused (issue 26)
+        "gateway_fleet_paused_since_seconds",  # how long the pause has been held
+        "gateway_broadcasts_total",  # failed control calls
+        "gateway_replica_info",  # replica index -> address
+        "process_cpu_seconds_total",  # the gateway's own CPU
     ],
 )
 def test_required_panels_present(needle: str) -> None:
@@ -168,3 +174,31 @@ def test_every_metric_exists() -> None:
 def test_file_is_canonical_json(tmp_path: Path) -> None:
     text = DASHBOARD.read_text()
     assert text == json.dumps(json.loads(text), indent=2) + "\n"
+
+
+def _panel(title: str) -> dict[str, Any]:
+    return next(p for p in flat_panels(load()["panels"]) if p["title"] == title)
+
+
+def test_failed_control_calls_panel_counts_every_kind_of_failed_call() -> None:
+    """Broadcasts that failed, loads that did not go live, unloads a replica did not do
+    (404 "already gone" is not a failure): the union docs/alerts.md calls failed control
+    calls, each kind in its own series."""
+    exprs = [t["expr"] for t in _panel("Failed control calls")["targets"]]
+    assert any("gateway_broadcasts_total{" in e and 'outcome="failed"' in e for e in exprs)
+    assert any("gateway_adapter_loads_total{" in e and 'outcome!="ok"' in e for e in exprs)
+    assert any(
+        "gateway_adapter_unloads_total{" in e and 'outcome!~"ok|not_found"' in e for e in exprs
+    )
+
+
+def test_replica_addresses_join_health_on_the_replica_index() -> None:
+    (target,) = _panel("Replica addresses")["targets"]
+    assert "gateway_replica_info" in target["expr"] and "group_left (url)" in target["expr"]
+    assert target["format"] == "table" and target["instant"] is True
+
+
+def test_gateway_process_panel_leaves_the_replicas_out() -> None:
+    """vLLM exports process_* too: the panel keeps the targets that are gateways."""
+    for t in _panel("Gateway CPU and memory")["targets"]:
+        assert "process_" in t["expr"] and "and on (instance, job) gateway_build_info" in t["expr"]
