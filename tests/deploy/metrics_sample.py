@@ -1,7 +1,8 @@
 """A /metrics sample of a gateway (and of a sim replica) that has served every kind of
 traffic, so each metric family the gateway exports has samples, and of a multi-run gateway
 (docs/many-runs.md) whose runs served a little traffic, so the per-run families have
-samples too: shared by the promtool, dashboard and alert-rule checks."""
+samples too, and of the single-run gateway while a fleet-wide /pause holds (the pause
+gauges' other state): shared by the promtool, dashboard and alert-rule checks."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ class Sample:
     replica: str
     multi_run: str  # multi-run mode, after drive_runs
     multi_run_paused: str  # multi-run mode, while one run's scoped pause held
+    gateway_paused: str = ""  # single-run mode, while a fleet-wide /pause held
 
     @property
     def gateway_names(self) -> set[str]:
@@ -123,8 +125,11 @@ async def _collect() -> Sample:
         async with httpx.AsyncClient(timeout=10) as client:
             gw = (await client.get(c.url + "/metrics")).text
             rep = (await client.get(c.replica_urls[0] + "/metrics")).text
+            assert (await client.post(c.url + "/pause")).status_code == 200
+            gw_paused = (await client.get(c.url + "/metrics")).text
+            assert (await client.post(c.url + "/resume")).status_code == 200
     multi, paused = await _collect_multi_run()
-    return Sample(gw, rep, multi, paused)
+    return Sample(gw, rep, multi, paused, gw_paused)
 
 
 @functools.cache

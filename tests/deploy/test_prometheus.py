@@ -9,6 +9,7 @@ import math
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["gateway", "multi_run", "multi_run_paused"])
+@pytest.mark.parametrize("mode", ["gateway", "gateway_paused", "multi_run", "multi_run_paused"])
 def test_promtool_check_metrics_on_gateway_output(mode: str) -> None:
     res = promtool("check", "metrics", stdin=getattr(metrics_sample(), mode))
     assert res.returncode == 0, res.stdout + res.stderr
@@ -69,6 +70,24 @@ def test_multi_run_sample_shows_what_the_run_alerts_match() -> None:
     assert _samples(sample.multi_run, "gateway_run_paused") == dict.fromkeys(runs, 0.0)
     paused = _samples(sample.multi_run_paused, "gateway_run_paused")
     assert paused == {run: float(run == driven) for run in runs}, paused
+
+
+def _value(text: str, name: str) -> float:
+    (value,) = re.findall(rf"^{name} (\S+)$", text, re.MULTILINE)
+    return float(value)
+
+
+def test_samples_show_what_the_fleet_pause_alert_matches() -> None:
+    """The fleet-pause gauges in the gateway's real output: 0 and 0 while running, 1 and
+    a recent unix time while a fleet-wide /pause holds (what
+    RolloutGatewayFleetPausedTooLong reads), and untouched by a run's scoped pause."""
+    sample = metrics_sample()
+    for text in (sample.gateway, sample.multi_run, sample.multi_run_paused):
+        assert _value(text, "gateway_fleet_paused") == 0
+        assert _value(text, "gateway_fleet_paused_since_seconds") == 0
+    assert _value(sample.gateway_paused, "gateway_fleet_paused") == 1
+    since = _value(sample.gateway_paused, "gateway_fleet_paused_since_seconds")
+    assert 1.7e9 < since <= time.time(), since  # a unix time, not a monotonic clock's
 
 
 def test_alert_rules_check_and_unit_tests() -> None:
