@@ -2,13 +2,29 @@
 # Trainer Job entry point: rollout-gateway as a sidecar *process* next to the trainer.
 # launch.sh sends this script as the trainer Job's command; it also runs as is on any
 # machine (tests/deploy/test_manifests.py runs it against a simulated replica).
-#   GATEWAY_REPLICAS   comma-separated replica URLs (from launch.sh)
+#   GATEWAY_REPLICAS   comma-separated replica URLs (launch.sh: the Jobs' exposed port 8000)
 #   HF_TOKEN           injected by the Job (--secrets HF_TOKEN); becomes the upstream token
 #   TRAIN_CMD          the training command; TRL must use vllm_server_base_url=$VLLM_SERVER_BASE_URL
-#   SIDECAR_INSTALL    optional pip spec to install the gateway first (e.g. a wheel in the bucket)
+#   SIDECAR_INSTALL    optional pip requirement that installs the gateway first: a git URL at
+#                      a pinned revision or a wheel path, never a bare name (launch.sh:
+#                      "rollout-gateway @ git+https://...@REV"; needs git in the image)
+# Each may also come as a KEY=VALUE argument (launch.sh passes them so, because `hf jobs`
+# shortens environment values to 60 characters in the configuration it prints).
 set -euo pipefail
+for setting in "$@"; do
+    case "${setting%%=*}" in
+        GATEWAY_REPLICAS|SIDECAR_INSTALL|TRAIN_CMD) export "${setting?}" ;;
+        *) echo "trainer-entry: unknown argument '${setting%%=*}'" >&2; exit 2 ;;
+    esac
+done
 : "${GATEWAY_REPLICAS:?set GATEWAY_REPLICAS}" "${TRAIN_CMD:?set TRAIN_CMD}"
 if [ -n "${SIDECAR_INSTALL:-}" ]; then
+    case "$SIDECAR_INSTALL" in
+        *://*|/*|./*) ;;
+        *)  # a bare name resolves on PyPI, where rollout-gateway is not published
+            echo "trainer-entry: SIDECAR_INSTALL must be a URL or a path, got '$SIDECAR_INSTALL'" >&2
+            exit 2 ;;
+    esac
     python -m pip install -q "$SIDECAR_INSTALL"
 fi
 export GATEWAY_HOST=127.0.0.1
@@ -21,6 +37,7 @@ export VLLM_SERVER_BASE_URL="http://127.0.0.1:${GATEWAY_PORT}"
 
 rollout-gateway serve &
 gateway_pid=$!
+# shellcheck disable=SC2329  # invoked by the EXIT trap
 stop_gateway() {
     if kill -0 "$gateway_pid" 2>/dev/null; then
         kill -TERM "$gateway_pid"          # drains in-flight requests, exits 0
