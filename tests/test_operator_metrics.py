@@ -27,9 +27,9 @@ from gateway.app import build_gateway, create_app
 from gateway.config import ReplicaSpec, load_settings
 from gateway.core import Gateway
 from gateway.fleet.control import PAUSE, RESUME, FleetControl
+from gateway.fleet.metrics import replica_address
 from gateway.fleet.replicas import Replica
 from gateway.http.upstream import BufferedResponse
-from gateway.metrics import replica_address
 from gateway.workers.merge import merge_expositions
 from tests.cluster import cluster, sims
 from tests.conftest import UPSTREAM_TOKEN
