@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -97,7 +98,9 @@ class AdapterManager:
     ) -> None:
         self.policy = policy
         self._indices = sorted(set(replicas))
-        self.core = AdapterRegistry(policy, self._indices)
+        # Salts name load generations: a fresh epoch per registry, so a restarted gateway
+        # never sends a salt under which a replica cached blocks before (``core.salt``).
+        self.core = AdapterRegistry(policy, self._indices, epoch=os.urandom(4).hex())
         self._upstream = upstream
         self._timeout = call_timeout_s
         self._roots = tuple(adapter_roots)
@@ -219,6 +222,9 @@ class AdapterManager:
 
     def request_finished(self, name: str, replica: int) -> None:
         self.core.request_finished(name, replica)
+
+    def salt(self, name: str, replica: int) -> str | None:
+        return self.core.salt(name, replica)
 
     def live_adapters(self) -> list[ListedAdapter]:
         return self.core.live_adapters()

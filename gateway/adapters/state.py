@@ -296,6 +296,7 @@ class _Copy:
     path: str | None  # what the replica serves under the name; None = unknown
     drain_deadline: float = 0.0
     stuck: bool = False  # an unload failed: left alone until the replica is reconciled
+    salt: str = ""  # the cache_salt of this load generation (``AdapterRegistry.salt``)
 
 
 @dataclass(slots=True)
@@ -367,6 +368,10 @@ class Snapshot:
 
 # ------------------------------------------------------------------- registry
 
+RoutingView = tuple[
+    dict[str, frozenset[int]], frozenset[str], frozenset[str], dict[str, dict[int, str]]
+]
+
 
 class RequestCounts:
     """Requests in flight per (adapter, replica), counted against ``candidates``: the
@@ -389,6 +394,9 @@ class RequestCounts:
         self._inflight[(name, replica)] += 1
         return True
 
+    def salt(self, name: str, replica: int) -> str | None:
+        raise NotImplementedError
+
     def request_finished(self, name: str, replica: int) -> None:
         key = (name, replica)
         if self._inflight[key] <= 1:
@@ -400,8 +408,12 @@ class RequestCounts:
 class AdapterRegistry(RequestCounts):
     """Desired vs actual adapters per replica, and the transitions between them."""
 
-    def __init__(self, policy: AdapterPolicy, replicas: Iterable[int] = ()) -> None:
+    def __init__(
+        self, policy: AdapterPolicy, replicas: Iterable[int] = (), *, epoch: str = "0"
+    ) -> None:
         self.policy = policy
+        self._epoch = epoch  # unique per registry (process start): salts never repeat
+        self._generations = itertools.count(1)
         self._adapters: dict[str, _Adapter] = {}
         self._replicas: dict[int, _Replica] = {r: _Replica() for r in replicas}
         self._ops: dict[int, _Op] = {}
@@ -467,12 +479,13 @@ class AdapterRegistry(RequestCounts):
             if c.state in SERVING and self._replicas[r].state is ReplicaState.UP
         )
 
-    def routing_view(self) -> tuple[dict[str, frozenset[int]], frozenset[str], frozenset[str]]:
+    def routing_view(self) -> RoutingView:
         """What the data path reads, for a worker's snapshot: every registered name's
-        candidates, the live names, and the base model names."""
+        candidates, the live names, the base model names, and every copy's salt."""
         cands = {name: self.candidates(name) or frozenset() for name in self._adapters}
         live = frozenset(n for n, r in self._adapters.items() if r.state in ROUTABLE)
-        return cands, live, frozenset(self._base_models)
+        salts = {name: found for name in self._adapters if (found := self.salts(name))}
+        return cands, live, frozenset(self._base_models), salts
 
     def head(self, family: str) -> int | None:
         """The version the staleness window is anchored on: the family's latest completed
@@ -510,6 +523,32 @@ class AdapterRegistry(RequestCounts):
 
     def in_flight(self, name: str, replica: int) -> int:
         return self._inflight[(name, replica)]
+
+    def salt(self, name: str, replica: int) -> str | None:
+        """The ``cache_salt`` requests for ``name`` on ``replica`` carry: one per load
+        generation of that copy.
+
+        vLLM keys an adapter's prefix-cache blocks by its name and path, not its bytes
+        (vllm#42125): after a reload in place, or a later load of a reused name at the same
+        path (TRL restarting at v1 in the same folder), prompts would reuse KV computed
+        with the old weights. Every load that lands, and every copy found on a replica
+        whose weights the registry cannot vouch for, starts a new generation, so blocks
+        cached under another one are never matched again. A request sent with the old
+        salt while the copy is swapped caches its blocks under that salt, which nothing
+        sends afterwards."""
+        rec = self._adapters.get(name)
+        copy = rec.copies.get(replica) if rec is not None else None
+        return copy.salt if copy is not None and copy.salt else None
+
+    def salts(self, name: str) -> dict[int, str]:
+        """``salt`` for every copy of ``name`` that has one (a worker's snapshot)."""
+        rec = self._adapters.get(name)
+        if rec is None:
+            return {}
+        return {r: c.salt for r, c in rec.copies.items() if c.salt}
+
+    def _new_salt(self) -> str:
+        return f"{self._epoch}.{next(self._generations)}"
 
     # ------------------------------------------------------------- events
 
@@ -588,8 +627,11 @@ class AdapterRegistry(RequestCounts):
         rep.state = _advance(REPLICA_TRANSITIONS, rep.state, ReplicaEvent.OBSERVE)
         rep.gave_up = False
         rep.sync_deadline = now + self.policy.load_deadline_s
+        known: dict[str, _Copy] = {}
         for rec in self._adapters.values():
-            rec.copies.pop(replica, None)
+            old = rec.copies.pop(replica, None)
+            if old is not None and old.state in (CopyState.LOADED, CopyState.DRAINING):
+                known[rec.name] = old
         actions: list[Action] = []
         for entry in listing:
             found = self._adapters.get(entry.name)
@@ -602,8 +644,13 @@ class AdapterRegistry(RequestCounts):
                 found.retired_at = now - (0.0 if draining else self.policy.unload_grace_s)
                 self._adapters[entry.name] = found
             rec = found
+            old = known.get(entry.name)
+            # Same weights as we last knew (same path, no load since): same generation.
+            vouched = old is not None and old.path == entry.path and old.salt
             rec.copies[replica] = _Copy(
-                _advance(COPY_TRANSITIONS, CopyState.ABSENT, CopyEvent.OBSERVED), entry.path
+                _advance(COPY_TRANSITIONS, CopyState.ABSENT, CopyEvent.OBSERVED),
+                entry.path,
+                salt=old.salt if vouched and old is not None else self._new_salt(),
             )
             if rec.state is AdapterState.RETIRING:
                 self._retire_copy(rec, replica, now)
@@ -701,6 +748,7 @@ class AdapterRegistry(RequestCounts):
         copy.state = _advance(
             COPY_TRANSITIONS, copy.state, CopyEvent.LOAD_OK if ok else CopyEvent.LOAD_FAILED
         )
+        copy.salt = self._new_salt()  # new weights, or (a failed reload) unknown ones
         if ok:
             copy.path = action.path
         elif copy.state is CopyState.LOADED and outcome is not Outcome.NOT_FOUND:

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.auth import require_client
+from gateway.api.cache_salt import check_client_salt, salted
 from gateway.api.requests import (
     check_generation,
     parse_json_object,
@@ -60,11 +61,13 @@ class Pick:
     """How one request chooses its replica, and what to tell others when it starts/ends.
 
     ``started(i)`` may refuse a replica (e.g. its adapter copy is being retired); the
-    request then picks again among the others."""
+    request then picks again among the others. ``body_for(i)`` is the body as replica
+    ``i`` must see it (its adapter copy's ``cache_salt``), when that depends on ``i``."""
 
     choose: Callable[[Sequence[int]], int]
     started: Callable[[int], bool] | None = None
     finished: Callable[[int], None] | None = None
+    body_for: Callable[[int], bytes] | None = None
 
 
 async def dispatch(
@@ -109,15 +112,16 @@ async def dispatch(
         gw.pool.acquire(index)
         gw.metrics.record_routed(index)
         gw.tasks.enter(index, task)
+        sent = body if pick.body_for is None else pick.body_for(index)
         upstream: UpstreamResponse
         try:
             with guard:
                 if lean:
                     upstream, content = await gw.upstream.send_routed(
-                        index, inbound.method, target, head_lines, body
+                        index, inbound.method, target, head_lines, sent
                     )
                 else:
-                    upstream, content = await _exchange(gw, index, inbound, headers, body)
+                    upstream, content = await _exchange(gw, index, inbound, headers, sent)
         except ReplicaConnectError as exc:
             _abandon(gw, pick, index, task)
             gw.on_connect_failure(index, exc.kind)
@@ -254,10 +258,12 @@ def plan_rollout(
     if allowed is None:
         return candidates, Pick(choose), body
     assert isinstance(model, str)
+    check_client_salt(payload)
     pick = Pick(
         choose,
         started=lambda i: routes.request_started(model, i),
         finished=lambda i: routes.request_finished(model, i),
+        body_for=lambda i: salted(body, payload, routes.salt(model, i)),
     )
     return candidates, pick, body
 

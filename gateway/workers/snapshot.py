@@ -28,6 +28,7 @@ __all__ = ["ControlSnapshot", "RunView", "SnapshotRoutes", "capture"]
 
 _EMPTY: Mapping[str, frozenset[int]] = MappingProxyType({})
 _NO_RESETS: Mapping[int, int] = MappingProxyType({})
+_NO_SALTS: Mapping[str, Mapping[int, str]] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,8 @@ class RunView:
     """Every registered adapter name -> replicas that may serve it (empty: not now)."""
     live: frozenset[str] = frozenset()
     base_models: frozenset[str] = frozenset()
+    salts: Mapping[str, Mapping[int, str]] = field(default_factory=lambda: _NO_SALTS)
+    """Adapter name -> replica -> the cache_salt of that copy's load generation."""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -52,6 +55,7 @@ class RunView:
             "adapters": {n: sorted(r) for n, r in self.adapters.items()},
             "live": sorted(self.live),
             "base_models": sorted(self.base_models),
+            "salts": {n: {str(r): s for r, s in by.items()} for n, by in self.salts.items()},
         }
 
     @classmethod
@@ -64,6 +68,9 @@ class RunView:
             adapters=MappingProxyType({n: frozenset(r) for n, r in data["adapters"].items()}),
             live=frozenset(data["live"]),
             base_models=frozenset(data["base_models"]),
+            salts=MappingProxyType(
+                {n: {int(r): s for r, s in by.items()} for n, by in data["salts"].items()}
+            ),
         )
 
 
@@ -108,7 +115,7 @@ def capture(gw: Gateway, epoch: int) -> ControlSnapshot:
     """The owner's control state now."""
     runs = []
     for tenant in gw.tenancy:
-        adapters, live, bases = tenant.manager.core.routing_view()
+        adapters, live, bases, salts = tenant.manager.core.routing_view()
         runs.append(
             RunView(
                 name=tenant.name,
@@ -118,6 +125,7 @@ def capture(gw: Gateway, epoch: int) -> ControlSnapshot:
                 adapters=MappingProxyType(adapters),
                 live=live,
                 base_models=bases,
+                salts=MappingProxyType(salts),
             )
         )
     return ControlSnapshot(
@@ -156,3 +164,7 @@ class SnapshotRoutes(RequestCounts):
 
     def is_live(self, name: str) -> bool:
         return name in self._view.live
+
+    def salt(self, name: str, replica: int) -> str | None:
+        by = self._view.salts.get(name)
+        return None if by is None else by.get(replica)

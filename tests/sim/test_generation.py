@@ -105,6 +105,20 @@ async def test_cached_tokens_grow_and_are_per_adapter(client: httpx.AsyncClient)
     assert (await _complete(client))["usage"]["prompt_tokens_details"] is None
 
 
+async def test_a_cache_salt_keys_the_blocks_as_vllms_does(client: httpx.AsyncClient) -> None:
+    await client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"})
+    await _complete(client, model="a", cache_salt="g1")
+    hit = {"cached_tokens": 8}
+    assert (await _complete(client, model="a", cache_salt="g1"))["usage"][
+        "prompt_tokens_details"
+    ] == hit
+    assert (await _complete(client, model="a", cache_salt="g2"))["usage"][
+        "prompt_tokens_details"
+    ] is None
+    assert (await _complete(client, model="a"))["usage"]["prompt_tokens_details"] is None
+    assert (await _complete(client, cache_salt="g1"))["usage"]["prompt_tokens_details"] is None
+
+
 INVALID: list[tuple[dict[str, Any], str]] = [
     ({"n": 0}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
@@ -113,6 +127,8 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": list(range(300))}, "input_tokens"),
     ({"n": "many"}, "body.n"),
+    ({"cache_salt": ""}, "body.cache_salt"),
+    ({"cache_salt": "a/b"}, "body.cache_salt"),
 ]
 
 

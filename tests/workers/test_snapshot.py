@@ -172,8 +172,9 @@ def load(core: AdapterRegistry, fakes: list[FakeReplica], name: str, now: float 
 
 
 def routes_of(core: AdapterRegistry, through_wire: bool = True) -> SnapshotRoutes:
-    adapters, live, bases = core.routing_view()
-    view = RunView("", adapters=MappingProxyType(adapters), live=live, base_models=bases)
+    adapters, live, bases, salts = core.routing_view()
+    view = RunView("", adapters=MappingProxyType(adapters), live=live, base_models=bases,
+                   salts=MappingProxyType(salts))  # fmt: skip
     if through_wire:
         view = RunView.from_wire(orjson.loads(orjson.dumps(view.to_wire())))
     return SnapshotRoutes(view, Counter())
@@ -189,6 +190,8 @@ def assert_same_answers(core: AdapterRegistry, names: list[str | None]) -> None:
             assert routes.candidates(name) == core.candidates(name), name
             if name is not None:
                 assert routes.is_live(name) is core.is_live(name), name
+                for r in range(3):
+                    assert routes.salt(name, r) == core.salt(name, r), (name, r)
 
 
 def test_live_loading_retiring_replacing_and_unknown_names() -> None:
@@ -251,7 +254,7 @@ def test_request_counting_matches_the_registry() -> None:
     core, fakes = registry(2)
     load(core, fakes, "mine")
     counter: Counter[tuple[str, int]] = Counter()
-    adapters, live, bases = core.routing_view()
+    adapters, live, bases, _ = core.routing_view()
     routes = SnapshotRoutes(RunView("", adapters=adapters, live=live, base_models=bases), counter)
     steps: list[tuple[str, str, int]] = [
         ("start", "mine", 0),

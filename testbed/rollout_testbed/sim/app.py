@@ -200,11 +200,13 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         max_tokens: list[int],
         seed: int | None,
         num_top: int,
+        cache_salt: str | None,
     ) -> tuple[str, Generation]:
         state.stats.requests_by_model[model or cfg.model] += 1
         await state.apply_completion_faults()
         adapter = state.resolve_model(model)
-        return adapter or cfg.model, state.plan(adapter, prompts, n, max_tokens, seed, num_top)
+        gen = state.plan(adapter, prompts, n, max_tokens, seed, num_top, cache_salt)
+        return adapter or cfg.model, gen
 
     def stream(chunks: Callable[[], AsyncIterator[dict[str, Any]]]) -> StreamingResponse:
         async def body() -> AsyncIterator[bytes]:
@@ -219,7 +221,8 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         prompts = _prompt_ids(req.prompt)
         num_top = req.logprobs if req.logprobs is not None else 0
         limits = _check_sampling(state, prompts, req.n, req.max_tokens, num_top, "logprobs")
-        name, gen = await start(req.model, prompts, req.n, limits, req.seed, num_top)
+        name, gen = await start(req.model, prompts, req.n, limits, req.seed, num_top,
+                                req.cache_salt)  # fmt: skip
         meta = R.Meta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), name, cfg)
         if req.stream:
             return stream(lambda: R.completion_chunks(gen, req, meta))
@@ -237,7 +240,7 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         max_tokens = req.max_completion_tokens or req.max_tokens
         n = req.n if req.n is not None else 1
         limits = _check_sampling(state, prompts, n, max_tokens, num_top, "top_logprobs")
-        name, gen = await start(req.model, prompts, n, limits, req.seed, num_top)
+        name, gen = await start(req.model, prompts, n, limits, req.seed, num_top, req.cache_salt)
         meta = R.Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), name, cfg)
         if req.stream:
             return stream(lambda: R.chat_chunks(gen, req, meta))

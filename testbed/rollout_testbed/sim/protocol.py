@@ -22,7 +22,7 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 __all__ = [
     "ChatCompletionRequest",
@@ -75,12 +75,36 @@ class _Base(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+class _Salted(_Base):
+    """``cache_salt`` as vLLM 0.32 checks it (``validate_cache_salt``): it keys the
+    request's prefix-cache blocks, so two salts never share KV."""
+
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _salt(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value:
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        if len(value) > 128 or any(c in _SALT_FORBIDDEN for c in value):
+            raise ValueError(
+                "Parameter 'cache_salt' must be at most 128 characters and must "
+                "not contain '@', '/', '\\\\', or NUL."
+            )
+        return value
+
+
 class StreamOptions(_Base):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
 
-class CompletionRequest(_Base):
+class CompletionRequest(_Salted):
     model: str | None = None
     prompt: list[int] | list[list[int]] | str | list[str]
     max_tokens: int | None = 16
@@ -92,7 +116,7 @@ class CompletionRequest(_Base):
     return_token_ids: bool | None = None
 
 
-class ChatCompletionRequest(_Base):
+class ChatCompletionRequest(_Salted):
     model: str | None = None
     messages: list[dict[str, Any]]
     max_tokens: int | None = None

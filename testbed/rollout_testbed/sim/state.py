@@ -162,6 +162,7 @@ class Generation:
     prompts: list[list[int]]
     outputs: list[list[SampledToken]]  # len(prompts) * n, prompt-major
     n: int
+    cache_key: str | None = None  # what the prefix cache keys blocks by (adapter, salt)
     cached: list[int] = field(default_factory=list)  # per prompt, set on admission
     produced: int = 0  # decode steps done (each sequence has min(produced, len) tokens)
     aborted: bool = False
@@ -180,7 +181,7 @@ class Generation:
         async with st.slot() as epoch:
             uncached = 0
             for ids in self.prompts:
-                hit = st.cache.query(self.adapter, ids)
+                hit = st.cache.query(self.cache_key, ids)
                 self.cached.append(hit)
                 uncached += len(ids) - hit
                 st.metrics.queries.inc(len(ids))
@@ -382,6 +383,7 @@ class SimState:
         max_tokens: list[int],
         seed: int | None,
         num_top: int,
+        cache_salt: str | None = None,
     ) -> Generation:
         model = adapter or self.config.model
         outputs = [
@@ -389,7 +391,9 @@ class SimState:
             for p, ids in enumerate(prompts)
             for i in range(n)
         ]
-        return Generation(self, adapter, prompts, outputs, n)
+        # vLLM puts the request's cache_salt into the first block's key, beside the LoRA
+        key = adapter if cache_salt is None else f"{adapter or ''}\x00salt:{cache_salt}"
+        return Generation(self, adapter, prompts, outputs, n, cache_key=key)
 
     # -- fault control -------------------------------------------------------------------
 
