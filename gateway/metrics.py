@@ -325,6 +325,12 @@ class Metrics:
             "Requests in flight to a replica when it was ejected (retried or stream ended).",
             registry=r,
         )
+        self.retired_rollouts = Counter(
+            "gateway_retired_version_rollouts_total",
+            "Rollouts that named a version older than every live one of its family, served "
+            "by the oldest live one (docs/adapters.md, 'Retired versions').",
+            registry=r,
+        )
         r.register(PoolCollector(pool))
         r.register(_BuildCollector())
         # process_* (CPU, memory, fds, start time) and python_info, read from /proc at

@@ -226,6 +226,9 @@ class AdapterManager:
     def salt(self, name: str, replica: int) -> str | None:
         return self.core.salt(name, replica)
 
+    def live_names(self) -> list[str]:
+        return [a.name for a in self.core.live_adapters()]
+
     def live_adapters(self) -> list[ListedAdapter]:
         return self.core.live_adapters()
 

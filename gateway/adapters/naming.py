@@ -12,9 +12,10 @@ The pattern is configurable; it must define the named groups ``family`` and ``ve
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_PATTERN", "AdapterName", "NamePattern"]
+__all__ = ["DEFAULT_PATTERN", "AdapterName", "NamePattern", "retired_successor"]
 
 DEFAULT_PATTERN = r"^(?P<family>.+)-v(?P<version>\d+)$"
 
@@ -66,3 +67,27 @@ class NamePattern:
 
     def __repr__(self) -> str:
         return f"NamePattern({self.pattern!r})"
+
+
+def retired_successor(pattern: NamePattern, name: str, live: Iterable[str]) -> str | None:
+    """The oldest live version of ``name``'s family, when ``name`` is a version older
+    than every live one (retired by the staleness window, or before a gateway restart);
+    else None.
+
+    Why a successor rather than vLLM's 404: TRL retries a rollout with the version it
+    first named, on any error, for about 7 minutes. Its trainer drops every sample older
+    than ``max_staleness`` versions, and a version the window retired is older than that
+    (the gateway's window is TRL's), so the successor's answer is discarded as stale, as
+    the retired version's would have been, and the loop ends at once. A name newer than
+    the live ones (another run's numbering) or without a version is not retired."""
+    asked = pattern.parse(name)
+    if asked.version is None:
+        return None
+    oldest: tuple[int, str] | None = None
+    for other in live:
+        parsed = pattern.parse(other)
+        if parsed.family != asked.family or parsed.version is None:
+            continue
+        if oldest is None or (parsed.version, other) < oldest:
+            oldest = (parsed.version, other)
+    return oldest[1] if oldest is not None and asked.version < oldest[0] else None

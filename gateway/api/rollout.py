@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.adapters.naming import NamePattern, retired_successor
 from gateway.api.auth import require_client
 from gateway.api.cache_salt import check_client_salt, salted
 from gateway.api.requests import (
@@ -228,6 +229,15 @@ def plan_rollout(
             body = orjson.dumps(payload)
             allowed = routes.candidates(model)
     candidates = healthy if allowed is None else [i for i in healthy if i in allowed]
+    if not candidates and isinstance(model, str) and allowed is not None:
+        pattern = NamePattern(settings.adapter_name_pattern)  # compiled once, by re
+        successor = retired_successor(pattern, model, routes.live_names())
+        if successor is not None:  # docs/adapters.md, "Retired versions"
+            gw.metrics.retired_rollouts.inc()
+            model = payload["model"] = successor
+            body = orjson.dumps(payload)
+            allowed = routes.candidates(model) or frozenset()
+            candidates = [i for i in healthy if i in allowed]
     if not candidates:
         if isinstance(model, str) and routes.is_live(model):
             raise UpstreamUnavailable(f"No healthy replica holds `{asked}` right now.",

@@ -165,6 +165,9 @@ class SnapshotRoutes(RequestCounts):
     def is_live(self, name: str) -> bool:
         return name in self._view.live
 
+    def live_names(self) -> frozenset[str]:
+        return self._view.live
+
     def salt(self, name: str, replica: int) -> str | None:
         by = self._view.salts.get(name)
         return None if by is None else by.get(replica)
