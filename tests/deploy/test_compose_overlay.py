@@ -41,7 +41,7 @@ _Loader.add_constructor("!reset", lambda loader, node: Reset())
 
 
 def load(name: str) -> dict[str, Any]:
-    doc = yaml.load((COMPOSE / name).read_text(), Loader=_Loader)  # noqa: S506 (SafeLoader)
+    doc = yaml.load((COMPOSE / name).read_text(), Loader=_Loader)
     assert isinstance(doc, dict)
     return doc
 
@@ -97,10 +97,9 @@ def test_each_replica_gets_its_own_core_and_the_pinned_cpu_image() -> None:
         assert services[name]["environment"]["VLLM_CPU_OMP_THREADS_BIND"] == core
         # the default is vLLM's CPU release of the tested version; the rehearsal's own
         # build comes in through the variable
-        assert services[name]["image"] == "${VLLM_CPU_IMAGE:-%s}" % V["VLLM_CPU_IMAGE"]
-    assert services["prometheus"]["image"] == (
-        "${PROMETHEUS_IMAGE:-%s}" % load("compose.yaml")["services"]["prometheus"]["image"]
-    )
+        assert services[name]["image"] == f"${{VLLM_CPU_IMAGE:-{V['VLLM_CPU_IMAGE']}}}"
+    base = load("compose.yaml")["services"]["prometheus"]["image"]
+    assert services["prometheus"]["image"] == f"${{PROMETHEUS_IMAGE:-{base}}}"
 
 
 def test_the_header_documents_every_key_the_overlay_sets() -> None:
