@@ -215,6 +215,13 @@ def create_app(
                 asyncio.create_task(t.manager.run_ticks(), name=f"gateway-adapter-ticks{t.name}")
                 for t in gateway.tenancy
             ),
+            *(
+                asyncio.create_task(
+                    t.manager.run_audits(settings.adapter_audit_interval_s),
+                    name=f"gateway-adapter-audits{t.name}",
+                )
+                for t in gateway.tenancy
+            ),
         ]
         hup = False
         if discovery.dynamic:

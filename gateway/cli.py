@@ -45,6 +45,7 @@ NO_FLAG = {
     "adapter_retry_initial_s": "mount-lag backoff detail; --adapter-load-deadline-s bounds it",
     "adapter_retry_max_s": "mount-lag backoff detail; --adapter-load-deadline-s bounds it",
     "adapter_unload_grace_s": "in-flight grace of an unload, not an incident lever",
+    "adapter_audit_interval_s": "drift check period of healthy replicas, cheap at 30 s",
     "max_header_bytes": "request-shape limit, set once per deployment",
     "max_header_count": "request-shape limit, set once per deployment",
     "max_json_depth": "request-shape limit, set once per deployment",

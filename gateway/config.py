@@ -192,6 +192,9 @@ class Settings(BaseSettings):
     adapter_unload_grace_s: float = Field(
         5.0, ge=0, description="Max wait for in-flight requests before an unload is applied."
     )
+    adapter_audit_interval_s: float = Field(
+        30.0, gt=0, description="Compare healthy replicas' adapters with the registry (±20%)."
+    )
 
     # Health checking and ejection.
     health_interval_s: float = Field(2.0, gt=0, description="Active /health probe period.")

@@ -214,7 +214,15 @@ class _AdapterCollector(Collector):
             "Adapter versions evicted by the gateway's staleness window.",
         )
         evictions.add_metric([], sum(snap.counts.get("evict.stale", 0) for snap in snaps))
-        yield from (live, lag, synced, evictions)
+        drift = CounterMetricFamily(
+            "gateway_adapter_drift",
+            "Adapters found by the periodic audit to differ from the registry on a healthy "
+            "replica (stray, missing, moved), each then reconciled.",
+            labels=["kind"],
+        )
+        for kind in ("stray", "missing", "moved"):
+            drift.add_metric([kind], sum(snap.counts.get(f"audit.{kind}", 0) for snap in snaps))
+        yield from (live, lag, synced, evictions, drift)
 
 
 class _RouterCollector(Collector):

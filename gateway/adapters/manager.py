@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -54,6 +55,7 @@ from gateway.adapters.state import (
     Settlement,
     Snapshot,
     UnloadOnReplica,
+    audit_drift,
 )
 from gateway.errors import (
     BadRequest,
@@ -355,6 +357,35 @@ class AdapterManager:
 
     def tick(self) -> None:
         self.executor.submit(self.core.tick(self._clock()))
+
+    async def audit(self) -> None:
+        """Compare every admitted replica's adapters with the registry (``core.audit``)."""
+        up = [r for r in self._indices if self.core.replica_state(r) is ReplicaState.UP]
+        await asyncio.gather(*(self._audit(r) for r in up))
+
+    async def _audit(self, replica: int) -> None:
+        core = self.core
+        if replica in self._reconciling or self.executor.sending_to(replica):
+            return
+        mark = core.audit_mark(replica)
+        models = await self._models(replica)
+        if models is None or core.audit_mark(replica) != mark:
+            return
+        drift = audit_drift(core.believed(replica), models[0])
+        audits = sum(n for k, n in core.counts.items() if k.startswith("audit."))
+        actions = core.audit(replica, models[0], mark, self._clock())
+        if sum(n for k, n in core.counts.items() if k.startswith("audit.")) > audits:
+            found = "; ".join(f"{kind} {', '.join(names)}" for kind, names in drift.items())
+            log.warning("replica %d drifted from the registry (%s): reconciling it", replica, found)
+        self.executor.submit(actions)
+
+    async def run_audits(self, interval_s: float, rng: random.Random | None = None) -> None:
+        """``audit`` every ``interval_s`` (jittered +-20 %, so that gateways and runs
+        sharing a fleet do not all list it at once)."""
+        rng = rng or random.Random()
+        while True:
+            await asyncio.sleep(interval_s * rng.uniform(0.8, 1.2))
+            await self.audit()
 
     async def run_ticks(self, interval_s: float = 0.5) -> None:
         while True:

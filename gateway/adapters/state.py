@@ -61,6 +61,7 @@ __all__ = [
     "Settlement",
     "Snapshot",
     "UnloadOnReplica",
+    "audit_drift",
 ]
 
 
@@ -183,6 +184,21 @@ REPLICA_TRANSITIONS: dict[tuple[ReplicaState, ReplicaEvent], ReplicaState] = {
     (_R.SYNCING, _RE.LOST): _R.DOWN,
     (_R.UP, _RE.LOST): _R.DOWN,
 }
+
+
+def audit_drift(
+    believed: Mapping[str, str | None], listing: Iterable[ListedAdapter]
+) -> dict[str, list[str]]:
+    """How a replica's listing differs from what the registry believes it holds:
+    ``stray`` (held, not believed), ``missing`` (believed, not held) and ``moved`` (held
+    at another path, or at a path the registry no longer knows). Empty: no drift."""
+    held = {e.name: e.path for e in listing}
+    drift = {
+        "stray": sorted(held.keys() - believed.keys()),
+        "missing": sorted(believed.keys() - held.keys()),
+        "moved": sorted(n for n in held.keys() & believed.keys() if held[n] != believed[n]),
+    }
+    return {kind: names for kind, names in drift.items() if names}
 
 
 _S = TypeVar("_S", bound=StrEnum)
@@ -419,6 +435,7 @@ class AdapterRegistry(RequestCounts):
         self._ops: dict[int, _Op] = {}
         self._op_at: dict[tuple[str, int], int] = {}  # (name, replica) -> outstanding op
         self._op_ids = itertools.count(1)
+        self._changes: Counter[int] = Counter()  # replica -> actions issued or settled
         self._inflight: Counter[tuple[str, int]] = Counter()
         self._settled: dict[str, Settlement] = {}
         self._base_models: set[str] = set()
@@ -678,6 +695,41 @@ class AdapterRegistry(RequestCounts):
             actions += self.observe(r, entries, now)
         return actions
 
+    def audit_mark(self, replica: int) -> int:
+        """Taken before an audit's listing is asked for: ``audit`` ignores a listing
+        when any action on the replica was issued or settled after its mark."""
+        return self._changes[replica]
+
+    def audit(
+        self, replica: int, listing: Iterable[ListedAdapter], mark: int, now: float
+    ) -> list[Action]:
+        """A periodic re-read of an admitted replica's ``/v1/models``.
+
+        Health probes only say a replica answers. What it holds can still drift from the
+        registry: a load a hung replica applied late, after it was left out of the
+        transaction (a stray holding one of vLLM's ``--max-loras`` slots); a replica that
+        restarted between two probes (a live version missing: vLLM would 404 it); a
+        manual load or unload. Any difference sends the replica back to reconciliation,
+        as after a fault: strays are unloaded, missing versions replayed, and it is
+        admitted again once it holds what the registry says. A copy whose path did not
+        change keeps its salt (``observe``), so its cached KV stays usable."""
+        rep = self._replicas.get(replica)
+        if (
+            rep is None
+            or rep.state is not ReplicaState.UP
+            or self._changes[replica] != mark
+            or not self.replica_settled(replica)
+        ):
+            return []  # not admitted, or something changed since the listing was asked
+        entries = list(listing)
+        drift = audit_drift(self.believed(replica), entries)
+        if not drift:
+            return []
+        for kind, names in drift.items():
+            self.counts[f"audit.{kind}"] += len(names)
+        rep.state = _advance(REPLICA_TRANSITIONS, rep.state, ReplicaEvent.FAULT)
+        return self.observe(replica, entries, now)
+
     def on_result(self, action: Action, result: Result, now: float) -> list[Action]:
         """Feed back one performed action. Results of cancelled actions are ignored."""
         op = self._drop_op(action.op)
@@ -699,6 +751,7 @@ class AdapterRegistry(RequestCounts):
     def _new_op(self, action: Action, deadline: float) -> None:
         key = (action.name, action.replica)
         assert key not in self._op_at, f"two outstanding actions for {key}"
+        self._changes[action.replica] += 1
         self._ops[action.op] = _Op(action, deadline)
         self._op_at[key] = action.op
 
@@ -706,6 +759,7 @@ class AdapterRegistry(RequestCounts):
         op = self._ops.pop(op_id, None)
         if op is not None:
             del self._op_at[(op.action.name, op.action.replica)]
+            self._changes[op.action.replica] += 1
         return op
 
     def _op_on(self, name: str, replica: int) -> _Op | None:
