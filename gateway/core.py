@@ -43,9 +43,12 @@ log = logging.getLogger("gateway")
 
 
 class Peers(Protocol):
-    """The other processes of one gateway (``gateway.workers.owner.Hub``)."""
+    """The other processes of one gateway (``gateway.workers.owner.Hub``): what the
+    owner's ``/metrics`` and ``/gateway/status`` add of theirs."""
 
     async def ask(self, op: str, **args: Any) -> list[Any]: ...
+    async def merged_metrics(self, own: bytes) -> bytes: ...
+    async def add_status(self, own: dict[str, Any]) -> None: ...
 
 
 @dataclass

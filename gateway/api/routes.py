@@ -15,7 +15,6 @@ from gateway.api.responses import gateway_of, json_response
 from gateway.api.rollout import forwarded
 from gateway.errors import MethodNotAllowed
 from gateway.metrics import CONTENT_TYPE
-from gateway.workers.merge import add_workers, merge_expositions
 
 _ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -32,7 +31,7 @@ async def metrics(request: Request) -> Response:
     gw = gateway_of(request)
     text = gw.metrics.render()
     if gw.peers is not None:  # the owner of data-plane workers: the whole gateway's
-        text = merge_expositions(text.decode(), await gw.peers.ask("metrics"))
+        text = await gw.peers.merged_metrics(text)
     return Response(text, media_type=CONTENT_TYPE)
 
 
@@ -40,7 +39,7 @@ async def status(request: Request) -> Response:
     gw = gateway_of(request)
     data = gw.status(require_viewer(request))
     if gw.peers is not None:
-        add_workers(data, await gw.peers.ask("status"))
+        await gw.peers.add_status(data)
     return json_response(data)
 
 

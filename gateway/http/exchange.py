@@ -24,11 +24,29 @@ from gateway.http.disconnect import DisconnectGuard
 from gateway.http.inbound import Inbound
 
 if TYPE_CHECKING:
-    from gateway.http.h1server import LeanProtocol
+    from uvicorn.server import ServerState
 
-__all__ = ["AsgiExchange", "Exchange", "Handler", "LeanExchange"]
+__all__ = ["AsgiExchange", "Connection", "Exchange", "Handler", "LeanExchange"]
 
 log = logging.getLogger("gateway.server")
+
+
+class Connection(Protocol):
+    """What a ``LeanExchange`` reads and writes of the connection that parsed its request
+    (``gateway.http.h1server.LeanProtocol``): the exchange sits below the server, which
+    creates it, so it names what it needs rather than importing the server."""
+
+    raw_path: bytes
+    headers: list[tuple[bytes, bytes]]
+    client: tuple[str, int] | None
+    lost_signal: asyncio.Future[None]
+    server_state: ServerState
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport | None
+    write_paused: bool
+
+    def finished(self, exchange: LeanExchange, *, reuse: bool) -> None: ...
+    async def drain(self) -> None: ...
 
 
 class Exchange(Protocol):
@@ -117,7 +135,7 @@ class LeanExchange:
     task: asyncio.Task[None]
     """The task serving the request (set as it is created)."""
 
-    def __init__(self, conn: LeanProtocol, body: bytes, keep_alive: bool) -> None:
+    def __init__(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
         self.conn = conn
         self.path = conn.raw_path.decode("ascii")
         self.raw_path = conn.raw_path

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import orjson
 
@@ -16,14 +17,33 @@ from gateway.errors import GatewayError
 from gateway.runs.table import owner_of
 
 if TYPE_CHECKING:
-    from gateway.core import Gateway
+    from gateway.config import Settings
+    from gateway.fleet.replicas import ReplicaPool
+    from gateway.http.upstream import BufferedResponse, Upstream
+    from gateway.runs.tenancy import Tenancy
 
-__all__ = ["place_runs", "sweep"]
+
+class RunFleet(Protocol):
+    """What placing and sweeping read of the gateway (``gateway.core.Gateway`` is one):
+    named here so that this module, which the gateway calls, does not import it."""
+
+    settings: Settings
+    pool: ReplicaPool
+    upstream: Upstream
+    tenancy: Tenancy
+
+    async def fan_out(
+        self, method: str, path: str, *, body: bytes | None = None, query: str = "",
+        headers: list[tuple[str, str]] | None = None, replicas: Sequence[int] | None = None,
+    ) -> list[BufferedResponse]: ...  # fmt: skip
+
+
+__all__ = ["RunFleet", "place_runs", "sweep"]
 
 log = logging.getLogger("gateway.runs")
 
 
-async def place_runs(gw: Gateway) -> None:
+async def place_runs(gw: RunFleet) -> None:
     """Multi-run mode, at start: each replica's adapter budget (configured, else the
     weakest replica's ``max_loras``), each run's homes, then every replica swept of
     adapters no run homed there owns."""
@@ -47,7 +67,7 @@ async def place_runs(gw: Gateway) -> None:
     await asyncio.gather(*(sweep(gw, r) for r in gw.pool.healthy_indices()))
 
 
-async def _weakest_max_loras(gw: Gateway) -> int | None:
+async def _weakest_max_loras(gw: RunFleet) -> int | None:
     results = await gw.fan_out("GET", "/server_info", query="config_format=json")
     found = []
     for r in results:
@@ -57,7 +77,7 @@ async def _weakest_max_loras(gw: Gateway) -> int | None:
     return min(found) if found else None
 
 
-async def sweep(gw: Gateway, replica: int) -> int:
+async def sweep(gw: RunFleet, replica: int) -> int:
     """Multi-run mode: unload from ``replica`` every adapter no run homed there owns
     (another run's after a placement move, a single-run leftover, a manual load), so
     the placement's slot budget holds. Best effort: the next rejoin sweeps again."""
@@ -77,7 +97,7 @@ async def sweep(gw: Gateway, replica: int) -> int:
     return len(foreign)
 
 
-async def _unload(gw: Gateway, replica: int, adapter: ListedAdapter) -> None:
+async def _unload(gw: RunFleet, replica: int, adapter: ListedAdapter) -> None:
     body = orjson.dumps({"lora_name": adapter.name})
     with contextlib.suppress(GatewayError):
         await gw.upstream.call(replica, "POST", "/v1/unload_lora_adapter", body=body,

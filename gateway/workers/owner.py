@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.workers.channel import read_message, write_message
+from gateway.workers.merge import add_workers, merge_expositions
 from gateway.workers.snapshot import ControlSnapshot, capture
 
 if TYPE_CHECKING:
@@ -157,6 +158,14 @@ class Hub:
                 future.set_result(None)
 
     # --- questions to the workers ---------------------------------------------------------
+
+    async def merged_metrics(self, own: bytes) -> bytes:
+        """The whole gateway's ``/metrics``: the owner's and every worker's, merged."""
+        return merge_expositions(own.decode(), await self.ask("metrics"))
+
+    async def add_status(self, own: dict[str, Any]) -> None:
+        """Each worker's part of ``/gateway/status``, added to the owner's."""
+        add_workers(own, await self.ask("status"))
 
     async def ask(self, op: str, **args: Any) -> list[Any]:
         """Every live worker's answer to ``op`` (a worker that does not answer in time is

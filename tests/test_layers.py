@@ -1,0 +1,167 @@
+"""The direction of imports inside ``gateway``: each module imports only from its own
+layer or the ones below, and no import cycle exists.
+
+This replaced a cap on module length: a long module is a smell, an import that goes
+up is a design error (a lower part that knows the wiring above it cannot be tested,
+reused or replaced alone). Imports under ``TYPE_CHECKING`` count too: a type that names
+the layer above is the same knowledge. ``docs/architecture.md`` ("Layers") explains each
+layer; a new module must be placed in one here, or the test fails.
+
+    .venv/bin/python -m tests.test_layers     # print the layers and each module's imports
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+from collections.abc import Iterable
+from pathlib import Path
+
+import gateway
+
+ROOT = Path(gateway.__file__).parent
+
+# Bottom to top. A pattern names modules by dotted path under ``gateway``.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "pure cores and settings: no I/O, no event loop; deterministic, unit-tested",
+        ("gateway", "adapters", "fleet", "http", "routing", "runs", "workers",  # faces
+         "errors", "logs", "config", "routing.*", "adapters.naming",
+         "adapters.state", "adapters.placement", "adapters.checks", "fleet.quorum",
+         "fleet.outliers", "fleet.retry_budget", "fleet.admission", "fleet.aborts",
+         "fleet.replicas", "fleet.discovery", "runs.table", "runs.scope", "workers.merge",
+         "workers.channel", "api.cache_salt"),
+    ),
+    (
+        "parts: HTTP in and out, the fleet's shared state and control calls, each run's "
+        "adapters, metrics",
+        ("http.*", "fleet.shared", "fleet.control", "fleet.metrics", "adapters.fanout",
+         "adapters.manager", "runs.tenancy", "runs.metrics", "runs.placing", "metrics"),
+    ),
+    ("the gateway: the parts of one process held together", ("core",)),
+    ("the API: handlers, the rollout path", ("api", "api.*")),
+    (
+        "wiring: the app, start-up checks, the processes of --workers N",
+        ("app", "fleet.preflight", "workers.owner", "workers.worker", "workers.snapshot",
+         "workers.processes"),
+    ),
+    ("entry points", ("cli", "__main__")),
+)  # fmt: skip
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts) or "gateway"
+
+
+def layer_of(module: str) -> int | None:
+    for index, (_, patterns) in enumerate(LAYERS):
+        if any(fnmatch.fnmatchcase(module, p) for p in patterns):
+            return index
+    return None
+
+
+def imports(path: Path, modules: Iterable[str]) -> set[str]:
+    """The ``gateway`` modules ``path`` imports, relative to ``gateway`` ("" is the
+    package itself), ``TYPE_CHECKING`` blocks included."""
+    known = set(modules)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module != "gateway" and not node.module.startswith("gateway."):
+                continue
+            base = node.module.removeprefix("gateway").removeprefix(".") or "gateway"
+            for alias in node.names:
+                sub = f"{base}.{alias.name}" if base != "gateway" else alias.name
+                found.add(sub if sub in known else base)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("gateway."):
+                    found.add(alias.name.removeprefix("gateway."))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    paths = sorted(ROOT.rglob("*.py"))
+    modules = [module_name(p) for p in paths]
+    return {module_name(p): imports(p, modules) - {module_name(p)} for p in paths}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted(m for m in graph() if layer_of(m) is None)
+    assert not unplaced, f"place these in tests/test_layers.py LAYERS: {unplaced}"
+
+
+def test_no_import_goes_up_a_layer() -> None:
+    upward = []
+    for module, targets in graph().items():
+        mine = layer_of(module)
+        for target in sorted(targets):
+            theirs = layer_of(target)
+            if mine is not None and theirs is not None and theirs > mine:
+                upward.append(f"{module} (layer {mine}) imports {target} (layer {theirs})")
+    assert not upward, upward
+
+
+def test_no_import_cycle() -> None:
+    assert cycles(graph()) == []
+
+
+def test_the_checks_would_catch_a_violation(tmp_path: Path) -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    sample = ROOT / "routing" / "ring.py"
+    assert layer_of(module_name(sample)) == 0 and layer_of("core") == 2
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from typing import TYPE_CHECKING\nfrom gateway.core import Gateway\n"
+        "import gateway.fleet.quorum\nfrom gateway import errors\n"
+        "if TYPE_CHECKING:\n    from gateway.api.rollout import dispatch\n"
+    )
+    modules = ["core", "fleet.quorum", "errors", "api.rollout"]
+    assert imports(probe, modules) == {"core", "fleet.quorum", "errors", "api.rollout"}
+
+
+if __name__ == "__main__":
+    edges = graph()
+    for index, (what, _) in enumerate(LAYERS):
+        print(f"layer {index}: {what}")
+        for module in sorted(m for m in edges if layer_of(m) == index):
+            print(f"  {module:24} -> {', '.join(sorted(edges[module])) or '-'}")
