@@ -151,6 +151,12 @@ bench-trl: venv vllm
 bench-many-runs: venv vllm
 	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) bench/trl_many_runs.py
 
+# The control plane at scale, simulated: loads, pauses, a quarter of the fleet vanishing
+# and rejoining at 16/64/256 sim replicas, one process and --workers 4 (control_plane.*).
+.PHONY: bench-control-plane
+bench-control-plane: venv
+	$(BIN)/python -m bench.control_plane
+
 # Many runs at scale, simulated: 16 runs over 8 replicas, joins and leaves (seconds).
 .PHONY: bench-many-runs-sim
 bench-many-runs-sim: venv

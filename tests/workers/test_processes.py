@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from rollout_testbed.procs import SimFleet, sim_fleet
 
@@ -129,9 +130,15 @@ async def test_a_loaded_version_is_routable_by_every_worker_once_answered(tmp_pa
                 body = httpx.Request("POST", "/", json={**COMPLETION, "model": name}).content
                 answers = await asyncio.gather(*(c.post("/v1/completions", body) for c in conns))
                 assert [s for s, _, _ in answers] == [200] * CONNECTIONS, (v, answers[:2])
-            # max_staleness 1 keeps v4 and v5: v1 goes, on every worker.
+            # max_staleness 1 keeps v4 and v5: v1 goes, on every worker. A rollout that
+            # still names it is served by the oldest live version (docs/adapters.md,
+            # "Retired versions"); a version no run published is vLLM's 404.
             gone = httpx.Request("POST", "/", json={**COMPLETION, "model": "policy-v1"}).content
             answers = await asyncio.gather(*(c.post("/v1/completions", gone) for c in conns))
+            assert {s for s, _, _ in answers} == {200}
+            assert {orjson.loads(b)["model"] for _, _, b in answers} == {"policy-v4"}
+            never = httpx.Request("POST", "/", json={**COMPLETION, "model": "other-v1"}).content
+            answers = await asyncio.gather(*(c.post("/v1/completions", never) for c in conns))
             assert {s for s, _, _ in answers} == {404}
             models = (await client.get("/v1/models")).json()
             assert {m["id"] for m in models["data"]} >= {"policy-v4", "policy-v5"}

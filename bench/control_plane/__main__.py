@@ -1,0 +1,79 @@
+"""``python -m bench.control_plane`` (``make bench-control-plane``): the control plane at
+scale, simulated. Every (replica count, workers) configuration runs ``scenario.run`` on a
+fresh fleet; the results are rewritten after each one, so a run cut short keeps what it
+measured.
+
+    .venv/bin/python -m bench.control_plane                      # 16, 64, 256 x workers 1, 4
+    .venv/bin/python -m bench.control_plane --sizes 16 --workers 1 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.control_plane import report
+from bench.control_plane.scenario import Config, run
+from bench.lib.fronts import ROOT
+from bench.lib.report import RESULTS, machine_info
+
+STEM = "control_plane"
+
+
+def _ints(spec: str) -> list[int]:
+    return [int(x) for x in spec.split(",") if x.strip()]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.control_plane", description=__doc__)
+    p.add_argument("--sizes", type=_ints, default=[16, 64, 256], help="replica counts")
+    p.add_argument("--workers", type=_ints, default=[1, 4], help="gateway --workers values")
+    p.add_argument("--hosts", type=int, default=4, help="sim host processes (a quarter each)")
+    p.add_argument("--loads", type=int, default=24)
+    p.add_argument("--pauses", type=int, default=5)
+    p.add_argument("--idle-s", type=float, default=10.0)
+    p.add_argument("--broadcast-timeout-s", type=float, default=30.0)
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--log-dir", type=Path, default=ROOT / ".run" / "control_plane")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    data: dict[str, Any] = {
+        "machine": machine_info(["uvicorn", "uvloop", "aiohttp"]),
+        "command": "python -m bench.control_plane " + " ".join(sys.argv[1:]),
+        "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "runs": [],
+    }
+    for n in args.sizes:
+        for workers in args.workers:
+            cfg = Config(n=n, hosts=args.hosts, workers=workers, loads=args.loads,
+                         pauses=args.pauses, idle_s=args.idle_s,
+                         broadcast_timeout_s=args.broadcast_timeout_s)  # fmt: skip
+            print(f"== {n} replicas, --workers {workers}", flush=True)
+            t0 = time.monotonic()
+            res = run(cfg, args.log_dir / f"n{n}-w{workers}")
+            res["wall_s"] = round(time.monotonic() - t0, 1)
+            data["runs"].append(res)
+            print(report.one_line(res), flush=True)
+            for failed in (c for c in res["checks"] if not c["ok"]):
+                print(f"   FAILED: {failed['check']}: {failed['detail']}", flush=True)
+            data["finished_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+            if not args.no_write:
+                report.write(args.out_dir, STEM, data)
+    if args.no_write:
+        print(json.dumps([{k: v for k, v in r.items() if k != "series"} for r in data["runs"]],
+                         indent=1))  # fmt: skip
+    else:
+        print(report.markdown(data))
+    return 0 if all(r["ok"] for r in data["runs"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
