@@ -151,6 +151,13 @@ bench-trl: venv vllm
 bench-many-runs: venv vllm
 	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) bench/trl_many_runs.py
 
+# TRL's real trainer for 30 min under a seeded fault schedule (replica SIGKILL / SIGSTOP,
+# gateway restarts, adapter-folder stalls), then the fault-free run of the same seed
+# (chaos.{json,md,png}, ~55 min; tests/trl/test_trl_chaos.py is the short CI version).
+.PHONY: bench-chaos
+bench-chaos: venv vllm
+	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) bench/chaos.py --seed 27 --duration-s 1800 --baseline-s 900
+
 # The control plane at scale, simulated: loads, pauses, a quarter of the fleet vanishing
 # and rejoining at 16/64/256 sim replicas, one process and --workers 4 (control_plane.*).
 .PHONY: bench-control-plane

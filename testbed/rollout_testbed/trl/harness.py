@@ -329,6 +329,12 @@ class RunSpec:
     # TRL's own sync for that step).
     before_pause: Callable[[int], None] | None = None
     on_step_end: Callable[[int], None] | None = None
+    # Chaos hooks (rollout_testbed.chaos): right before each control call, with TRL's
+    # method name ("pause", "load_lora_adapter", "resume", "unload_lora_adapter") and the
+    # call's first argument; and a wall-clock bound: after ``stop_after_s`` seconds of
+    # training the step that ends asks TRL to stop (training ends cleanly there).
+    before_call: Callable[[str, str], None] | None = None
+    stop_after_s: float | None = None
     # Append every step log and control call to this JSONL file as it happens, so a run
     # that is killed (bench/trl_side_by_side.py bounds each run in time) leaves its record.
     record_path: Path | None = None
@@ -451,6 +457,8 @@ def recorded_client(result: RunResult, spec: RunSpec) -> Iterator[None]:
                 pauses[0] += 1
                 if spec.before_pause is not None:
                     spec.before_pause(pauses[0])
+            if spec.before_call is not None:
+                spec.before_call(method, arg)
             t0 = time.time()
             try:
                 out = orig(self, *args, **kwargs)
@@ -504,6 +512,7 @@ def run_trl(spec: RunSpec, model_dir: Path = MODEL_DIR) -> RunResult:
     cpu_shims.install()
     torch.set_num_threads(1)
     result = RunResult(spec)
+    started = [time.monotonic()]
 
     class Recorder(TrainerCallback):  # type: ignore[misc]
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
@@ -511,9 +520,14 @@ def run_trl(spec: RunSpec, model_dir: Path = MODEL_DIR) -> RunResult:
                 result.logs.append({"step": state.global_step, "t": time.time(), **logs})
                 _append(spec.record_path, "log", result.logs[-1])
 
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            started[0] = time.monotonic()
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if spec.on_step_end is not None:
                 spec.on_step_end(state.global_step)
+            if spec.stop_after_s is not None and time.monotonic() - started[0] >= spec.stop_after_s:
+                control.should_training_stop = True
 
     args = AsyncGRPOConfig(
         output_dir=str(spec.output_dir),
