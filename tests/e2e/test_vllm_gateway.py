@@ -211,8 +211,12 @@ def test_load_unload_evict_on_every_replica(vllm_gw: E2E) -> None:
         assert _models_through_gateway(env) == want
         wait_for(lambda: all(replica_adapters(u) == want for u in env.urls), 20,
                  "v1 evicted on both replicas")  # fmt: skip
+        # A rollout still naming the evicted version is served by the oldest live one
+        # (docs/adapters.md, "Retired versions"); one never published is vLLM's 404.
         r = c.post("/v1/completions", json={"model": "e2e-fam-v1", "prompt": "x"})
-        assert r.status_code == 404
+        assert r.status_code == 200 and r.json()["model"] == "e2e-fam-v2", r.text
+        r = c.post("/v1/completions", json={"model": "e2e-fam-v9", "prompt": "x"})
+        assert r.status_code == 404 and "does not exist" in r.text
         # The trainer's own (late) unload of the evicted version still answers 200.
         r = c.post("/v1/unload_lora_adapter", json={"lora_name": "e2e-fam-v1"})
         assert r.status_code == 200, r.text

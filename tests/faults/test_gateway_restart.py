@@ -80,7 +80,9 @@ async def test_gateway_sigkill_mid_run_rebuilds_from_replicas(tmp_path: Path) ->
         await eventually(
             lambda: _holds_exactly(f, {"pol-v2", "pol-v3"}), "pol-v1 evicted everywhere"
         )
-        assert await _complete(f, "pol-v1") == 404
+        # retired: served by the oldest live version (docs/adapters.md, "Retired versions")
+        assert await _complete(f, "pol-v1") == 200
+        assert await _complete(f, "pol-v9") == 404  # never published
         assert Counter(await _model_ids(f)) == {"tiny-base": 1, "pol-v2": 1, "pol-v3": 1}
         assert f.gateway_errors() == []
 

@@ -133,9 +133,10 @@ def test_gateway_restarted_between_two_syncs(fleet: Layer) -> None:
     still naming the version it started with. Before sync 4 the trainer waits (bounded)
     until the new gateway has answered 16 rollouts (TRL keeps 8 in flight): on this CPU box
     a step takes ~2 s, and with max_staleness 1 two quick syncs evict the version a
-    retrying rollout names; it then gets 404 on each of its 90 attempts (~8 min) and TRL's
-    rollout worker dies (seen in a run without this wait). On real hardware a step takes
-    far longer than a gateway restart."""
+    retrying rollout names. Before the gateway served retired versions by the oldest live
+    one (docs/adapters.md, "Retired versions") that rollout got 404 on each of its 90
+    attempts (~8 min) and TRL's rollout worker died; the wait now only measures how soon
+    the retries come back (tests/trainer/test_trl_retired_version.py covers the trap)."""
     info: dict[str, object] = {}
     ok_label = 'route="routed",status_class="2xx"'
 
