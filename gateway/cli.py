@@ -7,7 +7,6 @@ the YAML ``--config`` file (flags win, then env, then file). Secrets also come f
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, get_args
@@ -198,12 +197,9 @@ def _workers(text: str) -> int | str:
 
 
 def serve(argv: Sequence[str]) -> int:
-    import uvicorn
-
     from gateway.app import create_app
     from gateway.config import load_settings
-    from gateway.http.h1server import lean_protocol
-    from gateway.http.serving import DrainingServer, listen_socket
+    from gateway.http import serving
     from gateway.logs import configure_logging
 
     args: dict[str, Any] = vars(_serve_parser().parse_args(argv))
@@ -231,24 +227,10 @@ def serve(argv: Sequence[str]) -> int:
 
         return supervise(settings, workers)
     app = create_app(settings)
-    # Fewer, cheaper collections on the hot path: take everything built so far out of the
-    # GC's reach and collect the young generation less often (per-request garbage is
-    # short-lived and mostly freed by reference counting).
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(10_000, 20, 20)
-    config = uvicorn.Config(
-        app,
-        loop="uvloop",
-        http=lean_protocol(app.serve),  # rollouts lean, every other connection uvicorn's httptools
-        access_log=False,
-        proxy_headers=False,  # the gateway is the edge of its pod; no X-Forwarded-* trust
-        log_config=None,
-        timeout_graceful_shutdown=settings.shutdown_timeout_s,
-    )
-    server = DrainingServer(config)
-    server.run(sockets=[listen_socket(settings.host, settings.port)])
-    return 0 if server.started else 3
+    sock = serving.listen_socket(settings.host, settings.port)
+    started = serving.serve(app, sock, lean=app.serve,
+                            shutdown_timeout_s=settings.shutdown_timeout_s)  # fmt: skip
+    return 0 if started else 3
 
 
 def _describe(exc: ValueError | OSError) -> str:

@@ -14,10 +14,10 @@ from gateway.api.auth import check_key
 from gateway.api.requests import check_body_size, check_headers, read_body
 from gateway.api.responses import error_response
 from gateway.api.rollout import admit, dispatch, plan_rollout
-from gateway.api.routes import ROUTED_PATHS
 from gateway.errors import GatewayError
 from gateway.http.disconnect import ClientDisconnected
 from gateway.http.exchange import AsgiExchange, Exchange
+from gateway.http.h1server import ROUTED_PATHS
 from gateway.http.inbound import Inbound
 from gateway.http.relay import RelayResponse
 from gateway.metrics import RouteKind

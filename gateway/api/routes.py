@@ -14,10 +14,10 @@ from gateway.api.fanin import health, models, server_info
 from gateway.api.responses import gateway_of, json_response
 from gateway.api.rollout import forwarded
 from gateway.errors import MethodNotAllowed
+from gateway.http.h1server import ROUTED_PATHS
 from gateway.metrics import CONTENT_TYPE
 
 _ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 BROADCAST_PATHS = (
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",

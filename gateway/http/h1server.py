@@ -36,9 +36,12 @@ from uvicorn.server import ServerState
 from gateway.http.exchange import Handler, LeanExchange
 from gateway.http.handoff import BoundedHttpToolsProtocol, refusal
 
-__all__ = ["LeanProtocol", "lean_protocol"]
+__all__ = ["ROUTED_PATHS", "LeanProtocol", "lean_protocol"]
 
-_ROUTED = (b"POST /v1/completions HTTP/1.1\r\n", b"POST /v1/chat/completions HTTP/1.1\r\n")
+# The rollout paths: read here off the socket, and in the API's route table (the ASGI
+# path, for connections handed to uvicorn). Defined once, here, the lower of the two.
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_ROUTED = tuple(f"POST {path} HTTP/1.1\r\n".encode() for path in ROUTED_PATHS)
 _LONGEST = max(len(p) for p in _ROUTED)
 _HAND_OFF_HEADERS = (b"transfer-encoding", b"expect", b"upgrade")
 _MAX_LEAN_BODY = 4 << 20  # larger bodies go to uvicorn, which streams them to the app

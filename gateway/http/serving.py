@@ -1,5 +1,6 @@
-"""The socket layer's uvicorn glue: listening sockets with ``TCP_NODELAY``, and a server
-that exits 0 after draining on SIGTERM.
+"""The socket layer's uvicorn glue: listening sockets with ``TCP_NODELAY``, a server
+that exits 0 after draining on SIGTERM, and ``serve``, the one way every gateway process
+(one process, the owner, each worker) runs its app.
 
 uvicorn does not set ``TCP_NODELAY`` on accepted connections, and it writes a response's
 headers and body in two ``send`` calls. When the request carried no body (``POST /pause``,
@@ -12,12 +13,17 @@ option from the listening socket, so setting it here fixes every connection.
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 
-__all__ = ["DrainingServer", "listen_socket"]
+from gateway.http.exchange import Handler
+from gateway.http.h1server import lean_protocol
+
+__all__ = ["DrainingServer", "listen_socket", "serve"]
 
 
 def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
@@ -46,3 +52,27 @@ class DrainingServer(uvicorn.Server):
         with super().capture_signals():
             yield
             self._captured_signals.clear()
+
+
+def serve(app: Any, sock: socket.socket, *, lean: Handler | None, shutdown_timeout_s: int) -> bool:
+    """Run ``app`` on ``sock`` until SIGTERM/SIGINT and the drain; False if it never
+    started. ``lean``: the handler ROUTED requests go to on the lean server
+    (``FastPath.serve``); None serves every connection with uvicorn's httptools."""
+    # Fewer, cheaper collections on the hot path: take everything built so far out of the
+    # GC's reach and collect the young generation less often (per-request garbage is
+    # short-lived and mostly freed by reference counting).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 20, 20)
+    config = uvicorn.Config(
+        app,
+        loop="uvloop",
+        http=lean_protocol(lean) if lean is not None else "httptools",
+        access_log=False,
+        proxy_headers=False,  # the gateway is the edge of its pod; no X-Forwarded-* trust
+        log_config=None,
+        timeout_graceful_shutdown=shutdown_timeout_s,
+    )
+    server = DrainingServer(config)
+    server.run(sockets=[sock])
+    return bool(server.started)

@@ -41,6 +41,7 @@ from gateway.http.h1client import H1Pool
 from gateway.http.h1response import ConnectFailed, H1Response, ResetBeforeResponse
 
 __all__ = [
+    "HOP_BY_HOP",
     "BufferedResponse",
     "ReplicaConnectError",
     "Upstream",
@@ -52,8 +53,9 @@ __all__ = [
     "response_headers",
 ]
 
-# Never forwarded in either direction (RFC 9110 §7.6.1) or recomputed by the hop itself.
-_HOP_BY_HOP = frozenset(
+# Never forwarded in either direction (RFC 9110 §7.6.1); the one definition (the data-plane
+# worker's relay to its owner uses it too).
+HOP_BY_HOP = frozenset(
     {
         b"connection",
         b"keep-alive",
@@ -64,9 +66,9 @@ _HOP_BY_HOP = frozenset(
         b"trailer",
         b"transfer-encoding",
         b"upgrade",
-        b"content-length",
     }
 )
+_HOP_BY_HOP = HOP_BY_HOP | {b"content-length"}  # and what each hop computes itself
 _REQUEST_DROP = _HOP_BY_HOP | {b"host", b"authorization", b"x-request-id", b"expect"}
 # uvicorn adds its own Date/Server; the gateway sets its own replica and request headers.
 _RESPONSE_DROP = _HOP_BY_HOP | {b"date", b"server", b"x-gateway-replica", b"x-request-id"}

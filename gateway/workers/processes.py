@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import gc
 import logging
 import math
 import multiprocessing
@@ -35,7 +34,6 @@ from collections.abc import AsyncIterator, Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
@@ -43,8 +41,7 @@ from gateway.api import FastPath
 from gateway.app import build_gateway, create_app
 from gateway.config import Settings
 from gateway.fleet.shared import SharedState
-from gateway.http.h1server import lean_protocol
-from gateway.http.serving import DrainingServer, listen_socket
+from gateway.http.serving import listen_socket, serve
 from gateway.workers.owner import Hub, SyncBeforeAnswer
 from gateway.workers.worker import (
     FleetLoadsFeed,
@@ -167,22 +164,8 @@ def _child(parent: int, target: Callable[..., None], *args: object) -> None:
 
 
 def _serve(app: object, sock: socket.socket, settings: Settings, lean: bool) -> None:
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(10_000, 20, 20)
-    serve = app.serve if lean and isinstance(app, FastPath) else None
-    config = uvicorn.Config(
-        app,  # type: ignore[arg-type]
-        loop="uvloop",
-        http=lean_protocol(serve) if serve is not None else "httptools",
-        access_log=False,
-        proxy_headers=False,
-        log_config=None,
-        timeout_graceful_shutdown=settings.shutdown_timeout_s,
-    )
-    server = DrainingServer(config)
-    server.run(sockets=[sock])
-    if not server.started:
+    handler = app.serve if lean and isinstance(app, FastPath) else None
+    if not serve(app, sock, lean=handler, shutdown_timeout_s=settings.shutdown_timeout_s):
         os._exit(3)
 
 

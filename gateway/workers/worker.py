@@ -22,8 +22,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from yarl import URL
 
 from gateway.api.requests import read_body
+from gateway.api.responses import error_response
 from gateway.errors import GatewayError, UpstreamUnavailable
 from gateway.fleet.shared import SharedState
+from gateway.http.upstream import HOP_BY_HOP
 from gateway.workers.channel import read_message, write_message
 from gateway.workers.snapshot import ControlSnapshot, RunView, SnapshotRoutes
 
@@ -36,11 +38,7 @@ __all__ = ["FleetLoadsFeed", "Follower", "OwnerProxy", "OwnerSession", "share_lo
 log = logging.getLogger("gateway.workers")
 
 _RECONNECT_S = 0.25
-_HOP_BY_HOP = frozenset(
-    (b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
-     b"transfer-encoding", b"upgrade")
-)  # fmt: skip
-_OWN = _HOP_BY_HOP | {b"date", b"server"}  # the worker's server adds its own
+_OWN = HOP_BY_HOP | {b"date", b"server"}  # the worker's server adds its own
 
 
 class Follower:
@@ -205,12 +203,12 @@ class OwnerProxy:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
         length = next((v for k, v in headers if k == b"content-length"), None)
         try:
             body = await read_body(receive, length, self.max_body_bytes)
         except GatewayError as exc:
-            await _error(send, exc)
+            await error_response(exc)(scope, receive, send)
             return
         target = scope["raw_path"] + (b"?" + qs if (qs := scope["query_string"]) else b"")
         try:
@@ -223,10 +221,10 @@ class OwnerProxy:
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             )
         except (aiohttp.ClientError, OSError):
-            await _error(send, UpstreamUnavailable(
+            await error_response(UpstreamUnavailable(
                 "The gateway's control plane is restarting; retry shortly.",
                 headers={"Retry-After": "1"},
-            ))  # fmt: skip
+            ))(scope, receive, send)  # fmt: skip
             return
         try:
             await send({
@@ -240,10 +238,3 @@ class OwnerProxy:
             await send({"type": "http.response.body", "body": b""})
         finally:
             response.close()
-
-
-async def _error(send: Send, exc: GatewayError) -> None:
-    headers = [(b"content-type", b"application/json")]
-    headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
-    await send({"type": "http.response.body", "body": exc.body()})
