@@ -36,8 +36,7 @@ from gateway.http.upstream import Upstream, make_session, upstream_tls
 from gateway.metrics import Metrics
 from gateway.routing.config import RoutingConfig
 from gateway.routing.policy import make_router
-from gateway.runs.metrics import RunCollector
-from gateway.runs.placing import place_runs
+from gateway.runs.mode import mode_for
 from gateway.runs.table import Run, RunTable
 from gateway.runs.tenancy import Tenancy
 
@@ -74,20 +73,21 @@ def build_gateway(settings: Settings, shared: SharedState | None = None) -> Gate
     managers = {
         run.name: AdapterManager(
             upstream,
-            () if table.multi else pool.indices(),  # multi-run: its homes, once placed
+            run.homes_at_start(pool.indices()),
             policy=adapter_policy(settings, run.max_staleness),
             call_timeout_s=settings.broadcast_timeout_s,
             adapter_roots=run.roots,
-            owns=None if not run.prefix else _starts_with(run.prefix),
+            owns=run.owns(),
             on_settled=metrics.record_adapter_settlement,
             on_action=metrics.record_adapter_action,
         )
         for run in table.runs
     }
     tenancy = Tenancy(table, managers)
+    mode = mode_for(table, tenancy)
     metrics.watch_adapters(tenancy.managers)
-    if table.multi:
-        metrics.registry.register(RunCollector(tenancy))
+    for collector in mode.collectors():
+        metrics.registry.register(collector)
     router = make_router(settings.router, RoutingConfig(**settings.routing))
     # The ring spans every configured replica; unhealthy ones are skipped at lookup, so a
     # flapping replica never reshuffles everyone else's keys.
@@ -100,6 +100,7 @@ def build_gateway(settings: Settings, shared: SharedState | None = None) -> Gate
         router=router,
         metrics=metrics,
         tenancy=tenancy,
+        mode=mode,
         shared=shared,
     )
     metrics.watch_control(gateway.control)  # the Gateway makes its FleetControl
@@ -160,10 +161,6 @@ def _roots(settings: Settings) -> str:
     return ", ".join(roots) if roots else "none (any lora_path)"
 
 
-def _starts_with(prefix: str) -> Callable[[str], bool]:
-    return lambda name: name.startswith(prefix)
-
-
 async def _gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
     if exc.limit is not None:
@@ -206,8 +203,7 @@ def create_app(
             # Members first, so the rebuild below adopts what every replica holds.
             gateway.change_members(await discovery.desired())
         await gateway.health_round(sync_adapters=False)
-        if gateway.tenancy.multi:
-            await place_runs(gateway)
+        await gateway.mode.start(gateway)
         await asyncio.gather(*(m.rebuild() for m in gateway.tenancy.managers()))
         tasks = [
             asyncio.create_task(gateway.health_loop(), name="gateway-health"),

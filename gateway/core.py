@@ -16,11 +16,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import orjson
-
 from gateway import __version__
 from gateway.adapters.manager import AdapterManager
-from gateway.adapters.placement import Change
 from gateway.config import ReplicaSpec, Settings
 from gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable
 from gateway.fleet.aborts import ReplicaTasks
@@ -34,7 +31,7 @@ from gateway.fleet.shared import SharedOutlierDetector, SharedRetryBudget, Share
 from gateway.http.upstream import BufferedResponse, ReplicaConnectError, Upstream
 from gateway.metrics import Metrics
 from gateway.routing.policy import Router
-from gateway.runs.placing import sweep
+from gateway.runs.mode import RunMode
 from gateway.runs.tenancy import Tenancy, Tenant
 
 __all__ = ["Gateway"]
@@ -59,6 +56,8 @@ class Gateway:
     router: Router
     metrics: Metrics
     tenancy: Tenancy
+    mode: RunMode
+    """Single-run or multi-run mode (``gateway.runs.mode``): what differs between them."""
     shared: SharedState | None = None
     """``serve --workers N``: the breakers and retry budget every process shares."""
     client_keys: tuple[bytes, ...] = field(default=(), init=False)
@@ -300,8 +299,7 @@ class Gateway:
     async def _admit(self, index: int) -> None:
         if not await self.control.rejoin(index):
             return
-        if self.tenancy.multi:
-            await sweep(self, index)
+        await self.mode.sweep(self, index)
         self.pool.admit(index)
         log.info("replica %d (%s) is healthy; admitted", index, self.pool[index].display)
 
@@ -332,25 +330,20 @@ class Gateway:
         for index in change.removed:
             log.info("replica %d (%s) removed by discovery", index, self.pool[index].display)
             self.pool.remove(index)
-            if not self.tenancy.multi:
-                self.adapters.remove_replica(index)
+            self.mode.member_removed(index)
             self.forget_cache(index)
             self.outliers.forget(index)
         added = []
         for spec in change.added:
             token = spec.token or self.settings.upstream_token
             index = self.pool.add(spec, token.get_secret_value() if token else None)
-            if not self.tenancy.multi:
-                self.adapters.add_replica(index)
+            self.mode.member_added(index)
             added.append(index)
             log.info("replica %d (%s) added by discovery", index, self.pool[index].display)
         if change:
             self.router.set_members(self.pool.indices())
-            if self.tenancy.multi and self.tenancy.budget is not None:
-                moves = self.tenancy.place(self.pool.indices(), self.tenancy.budget)
-                lost = {r for change, _, r in moves if change is Change.LOSE}
-                for r in sorted(lost & set(self.pool.indices())):
-                    self._spawn(sweep(self, r))
+            for r in self.mode.members_changed(self.pool.indices()):
+                self._spawn(self.mode.sweep(self, r))
         return added
 
     # --- introspection ---------------------------------------------------------------
@@ -377,23 +370,7 @@ class Gateway:
             "in_flight": self.admission.in_flight,
             "paused": self.control.paused is not None,
             "routing": self.metrics.routing_counts(),
-            **self._adapter_status(viewer),
-        }
-
-    def _adapter_status(self, viewer: Tenant | None) -> dict[str, Any]:
-        if not self.tenancy.multi:
-            return {"adapters": self.adapters.status()}
-        if viewer is not None:
-            own = orjson.loads(viewer.run.unscope(orjson.dumps(viewer.manager.status())))
-            return {
-                "runs": self.tenancy.status(only=viewer.name),
-                "lora_slots_per_replica": self.tenancy.budget,
-                "adapters": own,
-            }
-        return {
-            "runs": self.tenancy.status(),
-            "lora_slots_per_replica": self.tenancy.budget,
-            "adapters": {t.name: t.manager.status() for t in self.tenancy},
+            **self.mode.adapter_status(viewer),
         }
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:

@@ -53,19 +53,16 @@ def require_viewer(request: Request) -> Tenant | None:
     """``/gateway/status``: a client, or (multi-run mode) the admin, who sees every run
     (None), or a run, which sees itself."""
     gw = gateway_of(request)
-    if not gw.tenancy.multi:
-        require_client(request)
-        return None
-    if gw.admin_keys and _presents(header(request, b"authorization"), gw.admin_keys):
-        return None
-    return require_tenant(request)
+    admin = bool(gw.admin_keys) and _presents(header(request, b"authorization"), gw.admin_keys)
+    return gw.mode.viewer(admin, lambda: require_client(request), lambda: require_tenant(request))
 
 
 def require_admin(request: Request) -> Tenant:
     """Control calls: the admin key if one is set (single-run mode), else a client's; in
     multi-run mode the run's own key (each run controls only itself)."""
     gw = gateway_of(request)
-    if gw.admin_keys and not gw.tenancy.multi:
-        check_key(header(request, b"authorization"), gw.admin_keys, "admin key")
-        return gw.tenancy.single()
-    return require_tenant(request)
+    return gw.mode.controller(
+        bool(gw.admin_keys),
+        lambda: check_key(header(request, b"authorization"), gw.admin_keys, "admin key"),
+        lambda: require_tenant(request),
+    )

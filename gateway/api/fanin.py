@@ -36,12 +36,8 @@ async def health(request: Request) -> Response:
 
 
 def _home_replicas(gw: Gateway, tenant: Tenant) -> list[int] | None:
-    """Where a run's fan-in asks: its healthy homes (multi-run mode; every healthy replica
-    while it is unplaced); None: every healthy replica."""
-    if not tenant.run.prefix:
-        return None
-    healthy = gw.pool.healthy_indices()
-    return tenant.among(healthy) if tenant.homes else healthy
+    """Where a run's fan-in asks (``Tenant.fan_in_replicas``)."""
+    return tenant.fan_in_replicas(gw.pool.healthy_indices())
 
 
 def _weakest_lora_config(configs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -109,9 +109,7 @@ class FastPath:
             authorization = inbound.header(b"authorization")
             check_key(authorization, gw.client_keys, "API key")
             tenant = gw.tenancy.for_request(authorization)
-            if tenant.run.prefix:
-                tenant.enter(inbound.task)
-                counted = tenant
+            counted = tenant.admit_rollout(inbound.task)
             limit = gw.settings.max_body_bytes
             body = inbound.body  # already read by ``gateway.http.h1server``
             if body is None:  # uvicorn's connection: read_body enforces the limit

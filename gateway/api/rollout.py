@@ -217,16 +217,13 @@ def plan_rollout(
     path = inbound.path
     check_generation(path, payload, settings)
     model = asked = payload.get("model")
-    healthy = gw.routable_or_503()
+    healthy = tenant.rollout_replicas(gw.routable_or_503())
     routes = tenant.routes
     allowed = routes.candidates(model)
-    run = tenant.run
-    if run.prefix:  # multi-run: only the run's homes; its adapter names are its own
-        tenant.check_placed()
-        healthy = tenant.among(healthy)
-        if allowed is not None and isinstance(model, str):  # not the base model
-            model = payload["model"] = run.replica_name(model)
-            body = orjson.dumps(payload)
+    if allowed is not None and isinstance(model, str):  # an adapter, not the base model
+        body = tenant.scope_rollout(payload, body)
+        if payload["model"] != model:  # the run's name on the replicas
+            model = payload["model"]
             allowed = routes.candidates(model)
     candidates = healthy if allowed is None else [i for i in healthy if i in allowed]
     if not candidates and isinstance(model, str) and allowed is not None:

@@ -9,7 +9,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.api.auth import require_viewer
-from gateway.api.broadcast import broadcast
+from gateway.api.broadcast import CONTROL_HANDLERS
 from gateway.api.fanin import health, models, server_info
 from gateway.api.responses import gateway_of, json_response
 from gateway.api.rollout import forwarded
@@ -18,13 +18,6 @@ from gateway.http.h1server import ROUTED_PATHS
 from gateway.metrics import CONTENT_TYPE
 
 _ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
-BROADCAST_PATHS = (
-    "/v1/load_lora_adapter",
-    "/v1/unload_lora_adapter",
-    "/pause",
-    "/resume",
-    "/reset_prefix_cache",
-)
 
 
 async def metrics(request: Request) -> Response:
@@ -68,8 +61,8 @@ def build_routes() -> list[BaseRoute]:
     routes: list[BaseRoute] = [
         Route(path, _method_not_allowed(["POST"]), methods=not_post) for path in ROUTED_PATHS
     ]
-    for path in BROADCAST_PATHS:
-        routes += _with_405(path, broadcast, ["POST"])
+    for path, handler in CONTROL_HANDLERS.items():
+        routes += _with_405(path, handler, ["POST"])
     routes += _with_405("/health", health, ["GET"])
     routes += _with_405("/server_info", server_info, ["GET"])
     routes += _with_405("/v1/models", models, ["GET"])

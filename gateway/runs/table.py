@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hmac
 from base64 import b64decode
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +61,16 @@ class Run:
 
     def unscope_text(self, text: str) -> str:
         return text.replace(self.prefix, "") if self.prefix else text
+
+    def homes_at_start(self, replicas: Sequence[int]) -> Sequence[int]:
+        """Its adapter manager's replicas before placement: every one for the implicit
+        run, none for a named run (its homes come with placement)."""
+        return () if self.prefix else replicas
+
+    def owns(self) -> Callable[[str], bool] | None:
+        """Which replica-side adapter names are its own (None: every name)."""
+        prefix = self.prefix
+        return (lambda name: name.startswith(prefix)) if prefix else None
 
 
 def owner_of(replica_name: str) -> str | None:

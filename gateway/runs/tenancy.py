@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import orjson
+
 from gateway.adapters.manager import AdapterManager
 from gateway.adapters.placement import Change, Placement, PlacementError, diff, place
 from gateway.errors import BadRequest, InsufficientSlots, TooManyRequests, Unauthorized
@@ -87,6 +89,63 @@ class Tenant:
     def check_placed(self) -> None:
         if self.unplaced is not None:
             raise InsufficientSlots(self.unplaced)
+
+    # -- the run's scope: what a request of this run sees (the implicit run: the identity)
+
+    def admit_rollout(self, task: asyncio.Task[Any]) -> Tenant | None:
+        """Count a rollout against a named run's cap (``enter``); returns the tenant to
+        ``leave`` once it ends. The implicit run has no cap of its own (the gateway's
+        ``max_in_flight`` is it): None, nothing to leave."""
+        if not self.run.prefix:
+            return None
+        self.enter(task)
+        return self
+
+    def rollout_replicas(self, healthy: list[int]) -> list[int]:
+        """Where its rollouts may go: its healthy homes (507 while it has none)."""
+        if not self.run.prefix:
+            return healthy
+        self.check_placed()
+        return self.among(healthy)
+
+    def scope_rollout(self, payload: dict[str, Any], body: bytes) -> bytes:
+        """The rollout body its replicas must see: the adapter it names, under its prefix
+        (re-serialized; the implicit run's body is sent as it came)."""
+        if not self.run.prefix:
+            return body
+        payload["model"] = self.run.replica_name(payload["model"])
+        return orjson.dumps(payload)
+
+    def fan_in_replicas(self, healthy: list[int]) -> list[int] | None:
+        """Where its fan-in calls (``/v1/models``, ``/server_info``) ask: its healthy homes
+        (every healthy replica while it is unplaced); None: every healthy replica."""
+        if not self.run.prefix:
+            return None
+        return self.among(healthy) if self.homes else healthy
+
+    def adapter_call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """A load or unload as its manager must see it: under its prefix, and a load only
+        once it is placed."""
+        if not self.run.prefix:
+            return payload
+        if path == "/v1/load_lora_adapter":
+            self.check_placed()
+        if isinstance(name := payload.get("lora_name"), str) and name:
+            return {**payload, "lora_name": self.run.replica_name(name)}
+        return payload
+
+    def holds_pause(self, run_pause: str) -> bool:
+        """Whether its ``/pause`` is held at the gateway (``run_pause: scoped``) rather
+        than sent to the replicas (the implicit run's, and ``run_pause: fleet``)."""
+        return bool(self.run.prefix) and run_pause == "scoped"
+
+    def reset_replicas(self, healthy: list[int]) -> list[int] | None:
+        """Where its ``/reset_prefix_cache`` goes: its homes; None: every replica."""
+        return self.among(healthy) if self.run.prefix else None
+
+    def own_status(self) -> Any:
+        """Its adapters' status by the names it knows."""
+        return orjson.loads(self.run.unscope(orjson.dumps(self.manager.status())))
 
     def enter(self, task: asyncio.Task[Any]) -> None:
         """Count a rollout against the run's cap (429 above it, so a burst of one run
