@@ -36,7 +36,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "parts: HTTP in and out, the fleet's shared state and control calls, each run's "
         "adapters, metrics",
         ("http.*", "fleet.shared", "fleet.control", "fleet.metrics", "adapters.fanout",
-         "adapters.manager", "runs.tenancy", "runs.metrics", "runs.placing", "runs.mode", "metrics"),
+         "adapters.manager", "runs.tenancy", "runs.metrics", "runs.placing", "runs.mode",
+         "metrics"),
     ),
     ("the gateway: the parts of one process held together", ("core",)),
     ("the API: handlers, the rollout path", ("api", "api.*")),
