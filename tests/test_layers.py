@@ -166,3 +166,18 @@ if __name__ == "__main__":
         print(f"layer {index}: {what}")
         for module in sorted(m for m in edges if layer_of(m) == index):
             print(f"  {module:24} -> {', '.join(sorted(edges[module])) or '-'}")
+
+
+def test_only_gateway_runs_asks_which_run_mode_it_is() -> None:
+    """Single-run and multi-run differ in one place: ``gateway/runs/`` (``mode.py``, the
+    run's scope in ``tenancy.py``). Elsewhere a test of the mode is a branch that the
+    mode object should have taken."""
+    asks = ("tenancy.multi", "run.prefix", "table.multi")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in ROOT.rglob("*.py")
+        if path.parent.name != "runs"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if any(a in line for a in asks)
+    ]
+    assert not found, found
