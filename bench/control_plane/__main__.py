@@ -58,12 +58,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--log-dir", type=Path, default=ROOT / ".run" / "control_plane")
     p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rewrite the .md and .png from the existing .json (after findings.md "
+        "changed), run nothing",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    data: dict[str, Any]
     args = parse(argv)
-    data: dict[str, Any] = {
+    if args.render_only:
+        data = json.loads((args.out_dir / f"{STEM}.json").read_text())
+        report.write(args.out_dir, STEM, data)
+        return 0
+    data = {
         "machine": machine_info(["uvicorn", "uvloop", "aiohttp"]),
         "command": "python -m bench.control_plane " + " ".join(sys.argv[1:]),
         "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
