@@ -133,9 +133,9 @@ class Fleet:
         return out
 
 
-def host_argv(ports: Sequence[int], max_loras: int) -> list[str]:
+def host_argv(ports: Sequence[int], max_loras: int, extra: Sequence[str] = ()) -> list[str]:
     return [PY, "-m", "rollout_testbed.sim.fleet_host", "--ports", format_ports(ports),
-            "--max-loras", str(max_loras)]  # fmt: skip
+            "--max-loras", str(max_loras), *extra]  # fmt: skip
 
 
 def gateway_argv(
@@ -158,6 +158,7 @@ def fleet(
     max_staleness: int,
     broadcast_timeout_s: float,
     gateway_flags: Sequence[str] = (),
+    host_flags: Sequence[str] = (),
     timeout: float = 180.0,
 ) -> Iterator[Fleet]:
     """``hosts`` sim hosts of ``n // hosts`` replicas, ready, then the gateway over all of
@@ -171,7 +172,7 @@ def fleet(
         fleet_hosts: list[Host] = []
         for i in range(hosts):
             chunk = sorted(ports[i * per : (i + 1) * per])
-            proc = Proc(f"host-{i}", host_argv(chunk, max_staleness + 4),
+            proc = Proc(f"host-{i}", host_argv(chunk, max_staleness + 4, host_flags),
                         log_dir / f"host-{i}.log", url=f"http://{LOCAL}:{chunk[0]}")  # fmt: skip
             procs.append(proc.start())
             fleet_hosts.append(Host(proc, chunk))

@@ -59,6 +59,7 @@ class Config:
     broadcast_timeout_s: float = 30.0
     settle_timeout_s: float = 120.0
     gateway_flags: tuple[str, ...] = ()
+    host_flags: tuple[str, ...] = ()
 
 
 @dataclass
@@ -166,7 +167,7 @@ def run(cfg: Config, log_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     with harness.fleet(cfg.n, cfg.hosts, cfg.workers, log_dir, max_staleness=cfg.max_staleness,
                        broadcast_timeout_s=cfg.broadcast_timeout_s,
-                       gateway_flags=cfg.gateway_flags,
+                       gateway_flags=cfg.gateway_flags, host_flags=cfg.host_flags,
                        timeout=cfg.settle_timeout_s) as fl:  # fmt: skip
         started_s = round(time.perf_counter() - t0, 2)
         sampler = Sampler(

@@ -8,113 +8,23 @@ container), as the trainer container of the Job would: no host port is published
 
 from __future__ import annotations
 
-import base64
 import json
-import os
-import subprocess
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from tests.container import kube
-from tests.container._podman import RUN_FLAGS, inspect, podman
+from tests.container._podman import inspect, podman
 from tests.eventually import eventually_sync
 
 pytestmark = pytest.mark.timeout(900)
 
-API_KEY = "played-" + uuid.uuid4().hex
-# Run inside the gateway container: one HTTP request on the pod's loopback.
-REQUEST = """
-import json, sys, urllib.error, urllib.request
-method, url, body, headers = json.loads(sys.argv[1])
-req = urllib.request.Request(url, method=method, headers=headers,
-                             data=json.dumps(body).encode() if body is not None else None)
-try:
-    with urllib.request.urlopen(req, timeout=10) as r:
-        print(json.dumps([r.status, r.read().decode()]))
-except urllib.error.HTTPError as e:
-    print(json.dumps([e.code, e.read().decode()]))
-except OSError as e:
-    print(json.dumps([0, repr(e)]))
-"""
-
-
-@dataclass
-class Pod:
-    spec: dict[str, Any]
-    gateway: str  # the gateway container's name
-
-    def request(
-        self, method: str, path: str, body: object = None, port: int = 8000
-    ) -> tuple[int, str]:
-        headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
-        arg = json.dumps([method, f"http://127.0.0.1:{port}{path}", body, headers])
-        res = podman("exec", self.gateway, "python", "-I", "-c", REQUEST, arg, timeout=30)
-        status, text = json.loads(res.stdout.strip().splitlines()[-1])
-        return int(status), str(text)
-
-
-def _containers_conf(path: Path) -> Path:
-    """kube play takes no --runtime/--ulimit: the same settings as containers.conf."""
-    limits = dict(f.split("=", 1) for f in RUN_FLAGS if "=" in f and ":" in f)
-    ulimits = f'default_ulimits = ["nofile={limits["nofile"]}", "nproc={limits["nproc"]}"]'
-    path.write_text(f'[containers]\n{ulimits}\n[engine]\nruntime = "runc"\n')
-    return path
-
 
 @pytest.fixture(scope="module")
-def pod(image: str, sim_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
-    suffix = "-" + uuid.uuid4().hex[:8]
-    tmp = tmp_path_factory.mktemp("kube")
-    secrets = kube.secret_values()
-    secrets["hf-token"]["token"] = "hf_" + uuid.uuid4().hex
-    secrets["rollout-gateway"]["api-key"] = API_KEY
-    root = tmp / "secrets"
-    for name, items in secrets.items():
-        (root / name).mkdir(parents=True, mode=0o755)
-        for key, value in items.items():
-            (root / name / key).write_text(value)
-            (root / name / key).chmod(0o644)
-    for d in (tmp, root, *root.iterdir()):
-        d.chmod(0o755)
-    docs = kube.played(image, sim_image, suffix=suffix, secret_root=root)
-    played = tmp / "played.yaml"
-    played.write_text(yaml.safe_dump_all(docs, sort_keys=False))
-    env = {"CONTAINERS_CONF": str(_containers_conf(tmp / "containers.conf"))}
-    # secretKeyRef env: a podman secret in the form podman 4.3 reads (JSON, base64 values).
-    hf = {k: base64.b64encode(v.encode()).decode() for k, v in secrets["hf-token"].items()}
-    secret_name = "hf-token" + suffix
-    podman("secret", "create", secret_name, str(_write(tmp / "hf.json", json.dumps(hf))))
-
-    def kube_cmd(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            ["podman", "kube", *args, str(played)],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            check=False,
-            env={**os.environ, **env},
-        )
-
-    try:
-        res = kube_cmd("play")
-        assert res.returncode == 0, res.stdout + res.stderr
-        pod_name = docs[-1]["metadata"]["name"]
-        yield Pod(docs[-1], f"{pod_name}-rollout-gateway")
-    finally:
-        kube_cmd("down")
-        podman("volume", "rm", "--force", docs[0]["metadata"]["name"], check=False)
-        podman("secret", "rm", secret_name, check=False)
-
-
-def _write(path: Path, text: str) -> Path:
-    path.write_text(text)
-    return path
+def pod(image: str, sim_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube.Pod]:
+    with kube.play(image, sim_image, tmp_path_factory.mktemp("kube")) as played:
+        yield played
 
 
 def test_played_spec_is_the_manifests_own() -> None:
@@ -152,7 +62,7 @@ def test_played_spec_is_the_manifests_own() -> None:
     assert not [v for v in volumes.values() if "secret" in v]
 
 
-def test_pod_serves_a_completion_and_an_adapter_load(pod: Pod) -> None:
+def test_pod_serves_a_completion_and_an_adapter_load(pod: kube.Pod) -> None:
     seen: list[tuple[int, str]] = []
 
     def healthy() -> bool:  # the startupProbe's check: /health 200
@@ -182,12 +92,10 @@ def test_pod_serves_a_completion_and_an_adapter_load(pod: Pod) -> None:
     )
     assert status == 200, text
     # GATEWAY_API_KEY_FILE from the mounted secret: no key, no service
-    arg = json.dumps(["GET", "http://127.0.0.1:8000/v1/models", None, {}])
-    res = podman("exec", pod.gateway, "python", "-I", "-c", REQUEST, arg)
-    assert json.loads(res.stdout.strip().splitlines()[-1])[0] == 401
+    assert pod.request("GET", "/v1/models", headers={})[0] == 401
 
 
-def test_pod_keeps_the_security_context(pod: Pod) -> None:
+def test_pod_keeps_the_security_context(pod: kube.Pod) -> None:
     """runAsUser/runAsGroup, readOnlyRootFilesystem, drop ALL, no privilege escalation."""
     for container in pod.spec["spec"]["containers"]:
         name = f"{pod.spec['metadata']['name']}-{container['name']}"
@@ -204,7 +112,7 @@ def test_pod_keeps_the_security_context(pod: Pod) -> None:
     assert set(uid) == {"10001"}, uid
 
 
-def test_probes_answer_as_the_kubelet_expects(pod: Pod) -> None:
+def test_probes_answer_as_the_kubelet_expects(pod: kube.Pod) -> None:
     """kube play turns only livenessProbe into a podman healthcheck, with curl/nc that the
     images do not carry; so each probe of the spec is done here as the kubelet would do it
     (httpGet 200-399, tcpSocket connects), from inside the pod."""

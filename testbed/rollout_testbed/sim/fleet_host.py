@@ -189,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model)
     p.add_argument("--max-loras", type=int, default=d.max_loras)
     p.add_argument("--latency-model", type=_latency, default=LatencyModel(), metavar="SPEC")
+    p.add_argument(
+        "--keep-alive-s",
+        type=float,
+        default=5.0,
+        help="idle keep-alive connections are closed after this long (uvicorn's and "
+        "vLLM's default: 5)",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -211,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             lifespan="off",
             access_log=False,
             log_level=args.log_level,
+            timeout_keep_alive=args.keep_alive_s,
             timeout_graceful_shutdown=5,
         )
     )
