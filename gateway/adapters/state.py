@@ -436,6 +436,8 @@ class AdapterRegistry(RequestCounts):
         self._op_at: dict[tuple[str, int], int] = {}  # (name, replica) -> outstanding op
         self._op_ids = itertools.count(1)
         self._changes: Counter[int] = Counter()  # replica -> actions issued or settled
+        self._drains = 0  # copies that entered DRAINING: what can make an unload due
+        self._busy: Counter[str] = Counter()  # adapter name -> actions outstanding
         self._inflight: Counter[tuple[str, int]] = Counter()
         self._settled: dict[str, Settlement] = {}
         self._base_models: set[str] = set()
@@ -740,11 +742,16 @@ class AdapterRegistry(RequestCounts):
             self.counts[f"replica.{result.outcome.value}"] += 1
             return self.replica_lost(r, now)
         rec = self._adapters[action.name]
+        drains = self._drains
         if isinstance(action, LoadOnReplica):
             actions = self._on_load(rec, action, op, result, now)
         else:
             actions = self._on_unload(rec, action, result, now)
-        return actions + self._progress(rec, now) + self._sync_step(r, now) + self._due(now)
+        actions += self._progress(rec, now) + self._sync_step(r, now)
+        # One answer can make an unload due only by retiring a copy (in-flight counts and
+        # the clock move in request_finished and tick): a scan of every copy per answer
+        # made a load on N replicas cost adapters x N^2 (bench.control_plane.registry).
+        return actions + (self._due(now) if self._drains != drains else [])
 
     # ---------------------------------------------------------- internals
 
@@ -752,6 +759,7 @@ class AdapterRegistry(RequestCounts):
         key = (action.name, action.replica)
         assert key not in self._op_at, f"two outstanding actions for {key}"
         self._changes[action.replica] += 1
+        self._busy[action.name] += 1
         self._ops[action.op] = _Op(action, deadline)
         self._op_at[key] = action.op
 
@@ -760,6 +768,9 @@ class AdapterRegistry(RequestCounts):
         if op is not None:
             del self._op_at[(op.action.name, op.action.replica)]
             self._changes[op.action.replica] += 1
+            self._busy[op.action.name] -= 1
+            if not self._busy[op.action.name]:
+                del self._busy[op.action.name]
         return op
 
     def _op_on(self, name: str, replica: int) -> _Op | None:
@@ -932,6 +943,7 @@ class AdapterRegistry(RequestCounts):
         if copy.state is CopyState.LOADED and self._op_on(rec.name, r) is None:
             copy.state = _advance(COPY_TRANSITIONS, copy.state, CopyEvent.RETIRE)
             copy.drain_deadline = rec.retired_at + self.policy.unload_grace_s
+            self._drains += 1
         return []
 
     def _due(self, now: float) -> list[Action]:
@@ -952,7 +964,7 @@ class AdapterRegistry(RequestCounts):
 
     def _progress(self, rec: _Adapter, now: float) -> list[Action]:
         """Advance an adapter whose copies changed; may finish its transaction."""
-        busy = any(self._op_on(rec.name, r) for r in rec.copies)
+        busy = rec.name in self._busy  # an action outstanding on any of its copies
         state = rec.state
         if state in (AdapterState.LOADING, AdapterState.REPLACING):
             if not rec.targets:
@@ -1059,6 +1071,7 @@ class AdapterRegistry(RequestCounts):
                 if copy.state is CopyState.LOADED and self._op_on(rec.name, r) is None:
                     # not routable here: RETIRING drains from retired_at, others at once
                     copy.state = _advance(COPY_TRANSITIONS, copy.state, CopyEvent.RETIRE)
+                    self._drains += 1
                     copy.drain_deadline = (
                         rec.retired_at + self.policy.unload_grace_s
                         if rec.state is AdapterState.RETIRING
