@@ -29,7 +29,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
          "errors", "logs", "config", "routing.*", "adapters.naming",
          "adapters.state", "adapters.placement", "adapters.checks", "fleet.quorum",
          "fleet.outliers", "fleet.retry_budget", "fleet.admission", "fleet.aborts",
-         "fleet.replicas", "fleet.discovery", "runs.table", "runs.scope", "workers.merge",
+         "fleet.replicas", "fleet.discovery", "runs.table", "runs.scope", "runs.usage",
+         "workers.merge",
          "workers.channel", "api.cache_salt"),
     ),
     (

@@ -80,6 +80,8 @@ class FastPath:
         try:
             if response is None:
                 return
+            if tenant is not None:
+                tenant.usage.answered(response.status_code)
             if isinstance(response, RelayResponse):
                 await response.stream_to(exchange)
             elif not exchange.respond(
@@ -122,7 +124,7 @@ class FastPath:
                     await counted.held()  # body: the guard may read ``receive``)
             candidates, pick, body = plan_rollout(gw, inbound, body, tenant)
             response = await dispatch(inbound, gw, RouteKind.ROUTED, body, candidates, pick,
-                                      tenant.run if counted else None)  # fmt: skip
+                                      counted)  # fmt: skip
             return response, client, counted
         except ClientDisconnected:
             return None, client, counted

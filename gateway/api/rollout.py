@@ -47,7 +47,7 @@ from gateway.http.upstream import (
 from gateway.metrics import RouteKind
 from gateway.routing.policy import CandidateLoads, RouteRequest
 from gateway.runs.scope import StreamUnscope, unscope_body
-from gateway.runs.table import Run
+from gateway.runs.usage import usage_tokens
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
@@ -73,11 +73,13 @@ class Pick:
 
 async def dispatch(
     inbound: Inbound, gw: Gateway, kind: RouteKind, body: bytes, candidates: Sequence[int],
-    pick: Pick, run: Run | None = None,
+    pick: Pick, scope: Tenant | None = None,
 ) -> Response:  # fmt: skip
     """Send to one replica chosen among ``candidates``; if it fails before any response
     byte (refused, reset, or aborted because it was ejected), try another while the retry
-    budget allows. Streams are relayed as they arrive; nothing is retried after that."""
+    budget allows. Streams are relayed as they arrive; nothing is retried after that.
+    ``scope``: a named run's rollout (multi-run mode): the answer in its own names, and
+    its tokens counted (``gateway.runs.usage``)."""
     started = time.perf_counter()
     request_id = request_id_for(inbound.header(b"x-request-id"))
     lean = kind is RouteKind.ROUTED  # POST, JSON in and out: the h1client path
@@ -161,13 +163,15 @@ async def dispatch(
                 return True
             return False
 
-        unscope = None if run is None else StreamUnscope(run, status)
+        unscope = None if scope is None else StreamUnscope(scope.run, status, scope.usage)
         return RelayResponse(upstream, out_headers, guard, on_close, was_ejected, unscope)
     gw.tasks.leave(index, task)
     _release(gw, pick, index)
     gw.metrics.record_request(kind, status, time.perf_counter() - started)
-    if run is not None:
-        content = unscope_body(run, status, content)
+    if scope is not None:  # a named run: its names, and what it used
+        content = unscope_body(scope.run, status, content)
+        if 200 <= status < 300:
+            scope.usage.tokens(usage_tokens(content))
     return BodyResponse(status, out_headers, content)
 
 

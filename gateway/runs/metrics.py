@@ -34,9 +34,24 @@ class RunCollector(Collector):
              GaugeMetricFamily, lambda t: len(t.homes)),
             ("gateway_run_live_adapters", "Adapter versions of the run live on its homes.",
              GaugeMetricFamily, lambda t: len(t.manager.live_adapters())),
+            ("gateway_run_prompt_tokens", "Prompt tokens of the run's answers (vLLM's usage).",
+             CounterMetricFamily, lambda t: t.usage.prompt_tokens),
+            ("gateway_run_completion_tokens",
+             "Completion tokens of the run's answers (vLLM's usage).",
+             CounterMetricFamily, lambda t: t.usage.completion_tokens),
+            ("gateway_run_held_seconds", "Time the run's rollouts waited at the gateway.",
+             CounterMetricFamily, lambda t: t.usage.held_s),
         )  # fmt: skip
         for name, doc, kind, value in families:
             family = kind(name, doc, labels=["run"])
             for tenant in runs:
                 family.add_metric([tenant.name], value(tenant))
             yield family
+        answered = CounterMetricFamily(
+            "gateway_run_rollouts", "The run's answered rollouts, by status class.",
+            labels=["run", "status_class"],
+        )  # fmt: skip
+        for tenant in runs:
+            for status_class, count in sorted(tenant.usage.rollouts.items()):
+                answered.add_metric([tenant.name, status_class], count)
+        yield answered

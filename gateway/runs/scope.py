@@ -10,6 +10,7 @@ bodies hold no generated text: every occurrence of the prefix goes.
 from __future__ import annotations
 
 from gateway.runs.table import Run
+from gateway.runs.usage import RunUsage, usage_tokens
 
 __all__ = ["StreamUnscope", "unscope_body"]
 
@@ -29,21 +30,27 @@ class StreamUnscope:
     rewritten (a name split between two reads would be missed), so a partial event is held
     until its end arrives, or the stream ends."""
 
-    __slots__ = ("_find", "_held")
+    __slots__ = ("_find", "_held", "_usage")
 
-    def __init__(self, run: Run, status: int) -> None:
+    def __init__(self, run: Run, status: int, usage: RunUsage | None = None) -> None:
         self._find = (run, status)
         self._held = b""
+        self._usage = usage if 200 <= status < 300 else None
 
     def __call__(self, chunk: bytes, last: bool) -> bytes:
         data = self._held + chunk if self._held else chunk
         if last or len(data) > _MAX_HELD:
             self._held = b""
-            return unscope_body(*self._find, data)
+            return self._out(data)
         end = data.rfind(_EVENT_END)
         if end < 0:
             self._held = data
             return b""
         end += len(_EVENT_END)
         self._held = data[end:]
-        return unscope_body(*self._find, data[:end])
+        return self._out(data[:end])
+
+    def _out(self, events: bytes) -> bytes:
+        if self._usage is not None and b'"usage":{' in events:  # the final chunk's, if asked
+            self._usage.tokens(usage_tokens(events))
+        return unscope_body(*self._find, events)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,6 +30,7 @@ from gateway.adapters.manager import AdapterManager
 from gateway.adapters.placement import Change, Placement, PlacementError, diff, place
 from gateway.errors import BadRequest, InsufficientSlots, TooManyRequests, Unauthorized
 from gateway.runs.table import Run, RunTable
+from gateway.runs.usage import RunUsage
 
 __all__ = ["AdapterRoutes", "Tenancy", "Tenant"]
 
@@ -62,6 +64,8 @@ class Tenant:
     """The query string of the scoped ``/pause`` in effect, or None."""
     in_flight: int = 0
     requests: int = 0
+    usage: RunUsage = field(default_factory=RunUsage)
+    """Tokens, answers and held time, for a cost split (``gateway.runs.usage``)."""
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -169,9 +173,16 @@ class Tenant:
             self._idle.set()
 
     async def held(self) -> None:
-        """Returns once the run is not paused (at once, almost always)."""
-        while self.paused is not None:
-            await self._resumed.wait()
+        """Returns once the run is not paused (at once, almost always); the wait counts
+        as its held time."""
+        if self.paused is None:
+            return
+        started = time.monotonic()
+        try:
+            while self.paused is not None:
+                await self._resumed.wait()
+        finally:
+            self.usage.held_s += time.monotonic() - started
 
     async def pause(self, query: str, timeout: float) -> None:
         mode = self.hold(query)
@@ -303,6 +314,7 @@ class Tenancy:
                 "requests": t.requests,
                 "live": [t.run.client_name(a.name) for a in t.manager.live_adapters()],
                 "unplaced": t.unplaced,
+                "usage": t.usage.status(),
             }
             for t in self
             if only is None or t.name == only
