@@ -34,6 +34,16 @@ vllm-router's cache_aware matches prompt *text*; with token-id prompts on real v
 everything to one worker (``shared/reference/perf-calibration.md``). It is measured all the
 same; the fakes' busy figures (max/min) show how it spread this run's requests.
 
+Saturating mode (issue 28): ``--fake-service-ms S --fake-concurrency C`` gives every fake a
+capacity of C/S req/s (``bench.lib.upstream``'s ``Capacity``: C slots held S ms each, one
+FIFO queue per fake), so the replicas, not the front, are the bottleneck once the front
+is fast enough, and the results go to ``cores-saturated.*`` (``--name``). ``--fronts``
+may add ``gateway_rr`` (the gateway with ``--router round_robin``: routing vs plumbing)
+and, with ``--base-tree DIR`` (a tree holding another commit's ``gateway/``), ``base`` and
+``base_rr``: that code measured side by side with this one. For every gateway the
+measurement also records each process's CPU and client connections (how SO_REUSEPORT
+spread them) and its upstream connections per fake.
+
 Where affinity is not enforced (gVisor, say) the layout is nominal: a check at the start
 (two busy loops pinned to one CPU) records which, in the JSON and the notes.
 
@@ -77,6 +87,10 @@ from bench.lib.report import fmt_load, loadavg, machine_info, pyplot, write  # n
 from bench.lib.rounds import Budget, med, paired_rounds  # noqa: E402
 
 FRONT_KINDS = ("gateway", "rr", "cache_aware")
+# Measured only when named in --fronts: the gateway with --router round_robin (routing vs
+# plumbing, issue 28), and both again from --base-tree's code (before/after, side by side).
+EXTRA_KINDS = ("gateway_rr", "base", "base_rr")
+GATEWAY_KINDS = ("gateway", "gateway_rr", "base", "base_rr")
 POLICY = {"rr": "round_robin", "cache_aware": "cache_aware"}
 DEFAULT_CORES = (2, 4, 8)
 TARGET_CORES = 8
@@ -187,6 +201,50 @@ def affinity_of(pids: list[int]) -> list[int]:
     return sorted(cpus)
 
 
+def _socket_table() -> dict[int, tuple[int, int]]:
+    """inode -> (local port, remote port) of every ESTABLISHED TCP socket (``/proc/net``)."""
+    out: dict[int, tuple[int, int]] = {}
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(name) as f:
+            next(f, None)
+            for line in f:
+                parts = line.split()
+                if len(parts) > 9 and parts[3] == "01":
+                    local = int(parts[1].rsplit(":", 1)[1], 16)
+                    remote = int(parts[2].rsplit(":", 1)[1], 16)
+                    out[int(parts[9])] = (local, remote)
+    return out
+
+
+def connections(pids: list[int], port: int, upstream_ports: list[int]) -> dict[str, Any]:
+    """Per process of a front: its accepted client connections (local port ``port``) and
+    its connections to each upstream (remote port in ``upstream_ports``)."""
+    table = _socket_table()
+    clients: dict[int, int] = {}
+    upstream: dict[int, list[int]] = {}
+    for pid in pids:
+        mine: list[tuple[int, int]] = []
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        ends = table.get(int(link[8:-1]))
+                        if ends is not None:
+                            mine.append(ends)
+        clients[pid] = sum(1 for local, _ in mine if local == port)
+        upstream[pid] = [sum(1 for _, r in mine if r == u) for u in upstream_ports]
+    serving = {p: n for p, n in clients.items() if n}
+    return {
+        "client_conns": sorted(serving.values(), reverse=True),
+        "upstream_conns": [upstream[p] for p in sorted(serving, key=lambda p: -serving[p])],
+    }
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/", 1)[0])
+
+
 @dataclass
 class Front:
     key: str  # e.g. gateway@4
@@ -194,7 +252,8 @@ class Front:
     cores: int
     cpus: list[int]
     urls: list[str]  # one per load generator (all the same, except direct)
-    workers: int | str | None = None
+    workers: int | str | None = None  # None: not a gateway
+    env: dict[str, str] | None = None  # a --variant's environment (on top of ours)
     proc: Proc | None = None
     fleet: Fleet | None = None
     error: str = ""  # why it was not measured (did not start)
@@ -209,9 +268,16 @@ def start_front(
 ) -> None:
     fleet = Fleet(log_dir / front.key, {"front": set(front.cpus)})
     front.fleet = fleet
-    if front.kind == "gateway":
+    if front.workers is not None:
         flags = ["--workers", str(front.workers)] if front.workers != 1 else []
-        started = fleet.gateway(fake_urls, flags=flags)
+        if front.kind.endswith("_rr"):
+            flags += ["--router", "round_robin"]
+        if front.kind.startswith("base"):
+            # ``python -m`` puts its cwd first on sys.path: the base tree's gateway wins.
+            started = fleet.gateway(fake_urls, flags=flags, cwd=args.base_tree)
+        else:
+            env = {**os.environ, **front.env} if front.env else None
+            started = fleet.gateway(fake_urls, flags=flags, env=env)
     else:
         router = fleet.vllm_router(fake_urls, POLICY[front.kind])
         if router is None:
@@ -231,6 +297,7 @@ def measure(
     args: argparse.Namespace,
     fake_pids: list[int],
     work: Path,
+    fake_ports: list[int] = [],  # noqa: B006 (read only)
 ) -> dict[str, Any]:
     if front.proc is not None and not front.proc.alive:
         raise RuntimeError(
@@ -257,7 +324,13 @@ def measure(
         fakes0 = [cpu.cpu_s(p) for p in fake_pids]
         front0 = cpu.tree_ns(root) if root else {}
         t0 = time.monotonic()
-        time.sleep(args.duration_s)
+        time.sleep(args.duration_s / 2)
+        conns = (  # mid-window: every load generator's connections are up
+            connections(cpu.tree(root), port_of(front.urls[0]), fake_ports)
+            if root and front.workers is not None
+            else {}
+        )
+        time.sleep(max(0.0, args.duration_s - (time.monotonic() - t0)))
         front1 = cpu.tree_ns(root) if root else {}
         fakes1 = [cpu.cpu_s(p) for p in fake_pids]
         window = time.monotonic() - t0
@@ -308,6 +381,12 @@ def measure(
         result["front_busy_cores"] = round(used / window, 3)
         result["front_processes"] = len(front1)
         result["front_affinity"] = affinity_of(sorted(front1))
+        # Each process's share (busiest first): a worker at 1.0 while others idle is a
+        # worker that bounds its own connections' latency.
+        result["front_busy_each"] = sorted(
+            (round((front1[p] - front0[p]) / 1e9 / window, 3) for p in both), reverse=True
+        )
+        result.update(conns)
     return result
 
 
@@ -336,7 +415,7 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], fronts: list[Front]) -> d
         if failed:
             s["last_error"] = failed[-1][-500:]
         if ok:
-            for k in ("rps", "p50_ms", "p99_ms", "front_busy_cores"):
+            for k in ("rps", "p50_ms", "p90_ms", "p99_ms", "front_busy_cores"):
                 if k in ok[0]:
                     s[k] = med([float(m[k]) for m in ok])
             s["errors"] = sum(int(m["errors"]) for m in ok)
@@ -344,6 +423,9 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], fronts: list[Front]) -> d
             s["fake_busy_max"] = med([max(m["fake_busy"]) for m in ok])
             s["fake_busy_min"] = med([min(m["fake_busy"]) for m in ok])
             s["start_skew_ms_max"] = max(float(m["start_skew_ms"]) for m in ok)
+            if "client_conns" in ok[-1]:  # the last round's spread, for the table
+                s["client_conns"] = ok[-1]["client_conns"]
+                s["front_busy_each"] = ok[-1].get("front_busy_each", [])
         per[f.key] = s
 
     def ratio(a: str, b: str, k: str, scale: float = 1.0) -> float | None:
@@ -360,7 +442,7 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], fronts: list[Front]) -> d
 
     for f in fronts:
         rr = f"rr@{f.cores}"
-        if f.kind in ("gateway", "cache_aware") and rr in per:
+        if f.kind not in ("rr", "direct") and rr in per:
             per[f.key]["rps_vs_rr"] = ratio(f.key, rr, "rps")
             per[f.key]["p99_vs_rr"] = ratio(f.key, rr, "p99_ms")
         if f.kind == "gateway" and "gateway@1" in per:
@@ -368,6 +450,31 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], fronts: list[Front]) -> d
         if f.kind == "gateway" and "gateway@2" in per and f.cores != 2:
             per[f.key]["efficiency_vs_2"] = ratio(f.key, "gateway@2", "rps", f.cores / 2)
     return per
+
+
+def saturated_targets(summary: dict[str, Any], cores: list[int]) -> list[dict[str, Any]]:
+    """Issue 28, replicas saturating: at every core count the gateway's p99 ≤ rr's and its
+    req/s ≥ rr's (ratios per round, medians)."""
+    out = []
+    for n in cores:
+        gw, rr = summary.get(f"gateway@{n}", {}), summary.get(f"rr@{n}", {})
+        if gw.get("p99_vs_rr") is None:
+            continue
+        out.append(
+            {
+                "target": f"gateway p99 ≤ rr p99, {n} front cores",
+                "value": f"{gw['p99_vs_rr']:.2f}x ({gw['p99_ms']:.2f} vs {rr['p99_ms']:.2f} ms)",
+                "met": gw["p99_vs_rr"] <= 1.0,
+            }
+        )
+        out.append(
+            {
+                "target": f"gateway req/s ≥ rr req/s, {n} front cores",
+                "value": f"{gw['rps_vs_rr']:.2f}x ({gw['rps']:,.0f} vs {rr['rps']:,.0f})",
+                "met": gw["rps_vs_rr"] >= 1.0,
+            }
+        )
+    return out
 
 
 def targets(summary: dict[str, Any], cores: list[int]) -> list[dict[str, Any]]:
@@ -410,6 +517,17 @@ def _f(value: Any, fmt: str, suffix: str = "") -> str:
     return "" if value is None else f"{value:{fmt}}{suffix}"
 
 
+def fake_kind(cfg: dict[str, Any]) -> str:
+    if not cfg.get("fake_service_ms"):
+        return "instant fake replicas"
+    cap = cfg["fake_concurrency"] / (cfg["fake_service_ms"] / 1000.0)
+    return (
+        f"saturating fake replicas ({cfg['fake_concurrency']} slots x "
+        f"{cfg['fake_service_ms']:g} ms: {cap:,.0f} req/s each, {cfg['fakes'] * cap:,.0f} "
+        "in all)"
+    )
+
+
 def render(report: dict[str, Any]) -> str:
     cfg, machine, summary = report["config"], report["machine"], report["summary"]
     lines = [
@@ -426,34 +544,49 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"Load: {cfg['loadgens']} load generators x {cfg['connections']} keep-alive "
         f"connections = {cfg['loadgens'] * cfg['connections']} in flight (closed loop), "
-        f"TRL-shaped token-id completions; {cfg['fakes']} instant fake replicas. Per "
+        f"TRL-shaped token-id completions; {cfg['fakes']} {fake_kind(cfg)}. Per "
         f"measurement {cfg['warmup_s']:g} s warm-up + {cfg['duration_s']:g} s measured; "
         f"medians over {cfg['rounds_done']} interleaved rounds ({cfg['elapsed_s']:.0f} s "
         f"in all). Gateway: git {machine.get('git_head') or 'n/a'}, flags "
         f"`{cfg['gateway_flags']}`, workers {cfg['gateway_workers']}.",
         "",
-        "| front | cores | workers | req/s | p50 | p99 | req/s vs rr | p99 vs rr "
+        "| front | cores | workers | req/s | p50 | p90 | p99 | req/s vs rr | p99 vs rr "
         "| front busy (cores) | fake busy max/min | loadgen busy max | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     flags = []
     for key, s in summary.items():
         if not s["rounds"]:
             lines.append(
                 f"| {key} | {s['cores'] or ''} | | failed: "
-                f"{s.get('last_error', '')[:120]!r} | | | | | | | | |"
+                f"{s.get('last_error', '')[:120]!r} | | | | | | | | | |"
             )
             continue
         workers = "" if s["kind"] in ("rr", "cache_aware", "direct") else s["workers"]
         lines.append(
             f"| {s['kind']} | {s['cores'] or ''} | {workers} | {s['rps']:,.0f} "
-            f"| {s['p50_ms']:.2f} ms | {s['p99_ms']:.2f} ms | {_f(s.get('rps_vs_rr'), '.2f', 'x')} "
+            f"| {s['p50_ms']:.2f} ms | {_f(s.get('p90_ms'), '.2f', ' ms')} | {s['p99_ms']:.2f} ms "
+            f"| {_f(s.get('rps_vs_rr'), '.2f', 'x')} "
             f"| {_f(s.get('p99_vs_rr'), '.2f', 'x')} | {_f(s.get('front_busy_cores'), '.2f')} "
             f"| {s['fake_busy_max']:.2f}/{s['fake_busy_min']:.2f} | {s['loadgen_busy_max']:.2f} "
             f"| {s['errors']} |"
         )
         if s["loadgen_busy_max"] >= BUSY_FLAG or s["fake_busy_max"] >= BUSY_FLAG:
             flags.append(key)
+    spread = [(k, s) for k, s in summary.items() if s.get("client_conns")]
+    if spread:
+        lines += [
+            "",
+            "**Per gateway process** (last round): client connections each process "
+            "accepted (SO_REUSEPORT's spread) and each process's CPU in cores, busiest "
+            "first:",
+            "",
+            "| front | client connections | CPU (cores) |",
+            "|---|---|---|",
+        ]
+        for key, s in spread:
+            busy = " ".join(f"{b:.2f}" for b in s.get("front_busy_each", []))
+            lines.append(f"| {key} | {' '.join(map(str, s['client_conns']))} | {busy} |")
     gw = [(k, s) for k, s in summary.items() if s["kind"] == "gateway" and s["rounds"]]
     if gw:
         lines += [
@@ -470,7 +603,14 @@ def render(report: dict[str, Any]) -> str:
                 f"| {_f(s.get('efficiency'), '.2f')} | {_f(s.get('efficiency_vs_2'), '.2f')} |"
             )
     if report["targets"]:
-        lines += ["", "**Targets (issue 19):**", "", "| target | value | result |", "|---|---|---|"]
+        issue = "28" if cfg.get("fake_service_ms") else "19"
+        lines += [
+            "",
+            f"**Targets (issue {issue}):**",
+            "",
+            "| target | value | result |",
+            "|---|---|---|",
+        ]
         for t in report["targets"]:
             verdict = "**met**" if t["met"] else "**NOT met**"
             lines.append(f"| {t['target']} | {t['value']} | {verdict} |")
@@ -509,11 +649,20 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     if (plt := pyplot()) is None:
         return False
     summary = report["summary"]
-    colors = {"gateway": "tab:blue", "rr": "tab:orange", "cache_aware": "tab:green"}
+    colors = {
+        "gateway": "tab:blue",
+        "rr": "tab:orange",
+        "cache_aware": "tab:green",
+        "gateway_rr": "tab:purple",
+        "base": "tab:gray",
+        "base_rr": "tab:brown",
+    }
     fig, (ax_rps, ax_p99) = plt.subplots(1, 2, figsize=(11, 4.2))
     series: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for key, s in summary.items():
-        if s["kind"] in colors and s["rounds"]:  # matched: gateway@N with N workers, routers
+        if (s["workers"] is not None or s["kind"] in colors) and s[
+            "rounds"
+        ]:  # matched: gateway@N with N workers, routers
             matched = key == f"{s['kind']}@{s['cores']}"
             series.setdefault((s["kind"], matched), []).append(s)
     for (kind, matched), pts in series.items():
@@ -521,8 +670,9 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         label = kind if matched else f"{kind}, workers {pts[0]['workers']}"
         style = "o-" if matched else "s--"
         xs = [s["cores"] for s in pts]
-        ax_rps.plot(xs, [s["rps"] for s in pts], style, color=colors[kind], label=label)
-        ax_p99.plot(xs, [s["p99_ms"] for s in pts], style, color=colors[kind], label=label)
+        color = colors.get(kind)
+        ax_rps.plot(xs, [s["rps"] for s in pts], style, color=color, label=label)
+        ax_p99.plot(xs, [s["p99_ms"] for s in pts], style, color=color, label=label)
     base = summary.get("gateway@1", {})
     if base.get("rounds"):
         xs = sorted({s["cores"] for s in summary.values() if s["kind"] == "gateway"})
@@ -546,7 +696,7 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         ax.legend(fontsize=8)
     cfg = report["config"]
     fig.suptitle(
-        f"{cfg['loadgens']} x {cfg['connections']} connections, instant fakes, "
+        f"{cfg['loadgens']} x {cfg['connections']} connections, {fake_kind(cfg)}, "
         f"medians of {cfg['rounds_done']} rounds"
     )
     fig.tight_layout()
@@ -665,6 +815,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "2 loadgens x 16 connections, 2 fakes, 3 s, 1 round",
     )
     parser.add_argument("--out-dir", type=Path, help="default bench/results (smoke: a tmp dir)")
+    parser.add_argument(
+        "--fake-service-ms",
+        type=float,
+        default=0.0,
+        help="saturating fakes: each completion holds one of --fake-concurrency slots this "
+        "long (default 0: instant fakes)",
+    )
+    parser.add_argument(
+        "--fake-concurrency",
+        type=int,
+        default=56,
+        help="saturating fakes: slots per fake (capacity = slots / service time; default 56)",
+    )
+    parser.add_argument(
+        "--base-tree",
+        type=Path,
+        help="a directory holding another commit's gateway/ (fronts base, base_rr)",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+        help="also measure this tree's gateway with these environment variables, as NAME "
+        "(e.g. 'tight:GATEWAY_ROUTING={\"load_epsilon\":0.05}'); repeatable",
+    )
+    parser.add_argument(
+        "--name",
+        help="output basename (default cores; cores-saturated with --fake-service-ms)",
+    )
     args = parser.parse_args(argv)
     scale = SMOKE if args.smoke else DEFAULTS
     for k, v in scale.items():
@@ -681,8 +861,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not args.core_counts or min(args.core_counts) < 1:
         parser.error("--cores: at least one core count, each >= 1")
     args.front_kinds = [f.strip() for f in args.fronts.split(",") if f.strip()]
-    if unknown := set(args.front_kinds) - set(FRONT_KINDS):
-        parser.error(f"--fronts: unknown {sorted(unknown)} (choose from {FRONT_KINDS})")
+    if unknown := set(args.front_kinds) - set(FRONT_KINDS) - set(EXTRA_KINDS):
+        parser.error(
+            f"--fronts: unknown {sorted(unknown)} (choose from {FRONT_KINDS + EXTRA_KINDS})"
+        )
+    if any(k.startswith("base") for k in args.front_kinds) and not (
+        args.base_tree and (args.base_tree / "gateway").is_dir()
+    ):
+        parser.error("--fronts base/base_rr need --base-tree DIR holding a gateway/ package")
+    args.variant_env = {}
+    for spec in args.variant:
+        name, _, assigns = spec.partition(":")
+        pairs = [a.partition("=") for a in assigns.split(",")] if assigns else []
+        if (
+            not name
+            or name in FRONT_KINDS + EXTRA_KINDS
+            or any(not k or not e for k, e, _ in pairs)
+        ):
+            parser.error(f"--variant: NAME:VAR=VALUE[,VAR=VALUE], a new NAME; got {spec!r}")
+        args.variant_env[name] = {k: v for k, _, v in pairs}
+    if args.fake_service_ms < 0 or args.fake_concurrency < 1:
+        parser.error("--fake-service-ms must be >= 0 and --fake-concurrency >= 1")
+    if args.name is None:
+        args.name = "cores-saturated" if args.fake_service_ms else "cores"
     if min(args.duration_s, args.rounds, args.loadgens, args.fakes, args.connections) <= 0:
         parser.error("durations, rounds, loadgens, fakes and connections must be > 0")
     return args
@@ -692,12 +893,15 @@ def plan(args: argparse.Namespace, layout: Layout) -> list[Front]:
     """Every front to start and measure; gateway@1 (1 worker, 1 core) is the base."""
     fronts: list[Front] = []
     counts = list(args.core_counts)
-    if "gateway" in args.front_kinds and 1 not in counts:
+    # The 1-core base of the scaling efficiency; not with saturating fakes (no efficiency).
+    if "gateway" in args.front_kinds and 1 not in counts and not args.fake_service_ms:
         fronts.append(Front("gateway@1", "gateway", 1, layout.front[:1], [], workers=1))
     for n in counts:
         for kind in args.front_kinds:
-            workers = n if kind == "gateway" else None
+            workers = n if kind in GATEWAY_KINDS else None
             fronts.append(Front(f"{kind}@{n}", kind, n, layout.front[:n], [], workers=workers))
+        for name, env in args.variant_env.items():
+            fronts.append(Front(f"{name}@{n}", name, n, layout.front[:n], [], n, env))
     return fronts
 
 
@@ -744,6 +948,10 @@ def main(argv: list[str] | None = None) -> int:
         "gateway_flags": gw_flags,
         "router_flags": "--policy round_robin | cache_aware (vllm-router defaults otherwise)",
         "smoke": args.smoke,
+        "fake_service_ms": args.fake_service_ms,
+        "fake_concurrency": args.fake_concurrency if args.fake_service_ms else None,
+        "base_tree": str(args.base_tree) if args.base_tree else None,
+        "variants": args.variant_env,
         "estimate_s": round(est),
         "layout": {**layout.__dict__, "detail": layout.describe()},
         "log_dir": str(log_dir),
@@ -760,11 +968,13 @@ def main(argv: list[str] | None = None) -> int:
             "machine": info,
             "config": config,
             "summary": summary,
-            "targets": targets(summary, args.core_counts),
+            "targets": (saturated_targets if args.fake_service_ms else targets)(
+                summary, args.core_counts
+            ),
             "round_info": round_info,
             "rounds": rounds,
         }
-        paths = write(out_dir, "cores", report, render(report), safe_plot)
+        paths = write(out_dir, args.name, report, render(report), safe_plot)
         config["plot"] = any(p.suffix == ".png" for p in paths)
         return report
 
@@ -772,8 +982,21 @@ def main(argv: list[str] | None = None) -> int:
     fake_urls: list[str] = []
     fake_pids: list[int] = []
     try:
-        fakes = harness.upstreams(args.fakes, roles=[f"fake{i}" for i in range(args.fakes)])
+        fake_flags = (
+            [
+                "--service-ms",
+                f"{args.fake_service_ms:g}",
+                "--concurrency",
+                str(args.fake_concurrency),
+            ]
+            if args.fake_service_ms
+            else []
+        )
+        fakes = harness.upstreams(
+            args.fakes, roles=[f"fake{i}" for i in range(args.fakes)], flags=fake_flags
+        )
         fake_urls, fake_pids = [f.url for f in fakes], [f.pid for f in fakes]
+        fake_ports = [port_of(u) for u in fake_urls]
         direct.urls = [fake_urls[i % len(fake_urls)] for i in range(args.loadgens)]
         for f in fronts:
             start_front(f, fake_urls, log_dir, args, args.loadgens)
@@ -797,7 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
             this: dict[str, dict[str, Any]] = {}
             for f in order:
                 try:
-                    m = measure(f, layout, args, fake_pids, log_dir)
+                    m = measure(f, layout, args, fake_pids, log_dir, fake_ports)
                 except RuntimeError as exc:
                     this[f.key] = {"error": str(exc)}
                     print(f"round {r + 1} {f.key:>15}: FAILED {exc}", file=sys.stderr)
@@ -827,7 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
     report = write_all()
     print(render(report))
     kinds = "json,md,png" if config.get("plot") else "json,md (no matplotlib: no png)"
-    print(f"cores.py: wrote {out_dir}/cores.{{{kinds}}}; logs in {log_dir}", file=sys.stderr)
+    print(f"cores.py: wrote {out_dir}/{args.name}.{{{kinds}}}; logs in {log_dir}", file=sys.stderr)
     bad = any("error" in m or int(m["errors"]) for rnd in rounds for m in rnd.values())
     return 1 if bad or not rounds else 0
 

@@ -117,10 +117,13 @@ class Fleet:
         proc = self.start(name, [*argv, "--port", str(port)], role, env=env, cwd=cwd, url=url)
         return Front(name, url, proc)
 
-    def upstreams(self, n: int, *, roles: Sequence[str] = ()) -> list[Front]:
+    def upstreams(
+        self, n: int, *, roles: Sequence[str] = (), flags: Sequence[str] = ()
+    ) -> list[Front]:
         """``n`` instant fake upstreams (``bench.lib.upstream``), ready: each on the CPUs of
-        its role in ``roles``, or on the client CPUs."""
-        argv = [PY, "-m", "bench.lib.upstream"]
+        its role in ``roles``, or on the client CPUs. ``flags``: the fake's own, e.g.
+        ``--service-ms 4 --concurrency 56`` for one that saturates at 14k req/s."""
+        argv = [PY, "-m", "bench.lib.upstream", *flags]
         ups = [
             self.serve(f"upstream{i + 1}", argv, roles[i] if roles else "client") for i in range(n)
         ]

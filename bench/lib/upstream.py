@@ -7,15 +7,27 @@ A benchmark of a front must measure the front, so the upstream does nothing: ``G
 FastAPI sim replica serves ~800 req/s on the 2-core machine, below every front, so it
 cannot be the upstream of a throughput benchmark.)
 
+Saturating mode (``--service-ms S --concurrency C``, issue 28): the fake behaves like a
+replica with a fixed capacity, C/S requests per second. At most C completions are "being
+generated" at once, each answered S ms after its slot was granted; the rest wait in one
+FIFO queue for the whole process, whichever connection they came on, as requests wait in
+vLLM's scheduler when its batch is full. Its CPU per request stays small (a timer and a
+write), so what saturates is the modelled capacity, not the fake's core, and a front that
+sends a replica more than its share sees that replica's queue grow. ``/health`` never
+queues.
+
     python -m bench.lib.upstream --port 9101
+    python -m bench.lib.upstream --port 9101 --service-ms 4 --concurrency 56   # 14k req/s
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import re
 from collections.abc import Callable
+from functools import partial
 
 import orjson
 import uvloop
@@ -127,6 +139,77 @@ class Upstream(asyncio.Protocol):
                 self.transport.write(RESPONSE)
 
 
+class Capacity:
+    """One replica's modelled capacity: ``concurrency`` slots, each held ``service_s`` per
+    request, and the FIFO queue of requests waiting for a slot (every connection's)."""
+
+    def __init__(self, service_s: float, concurrency: int) -> None:
+        self.service_s = service_s
+        self.free = concurrency
+        self.waiting: collections.deque[Callable[[], None]] = collections.deque()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.served = 0
+        self.max_waiting = 0
+
+    def submit(self, answer: Callable[[], None]) -> None:
+        """``answer()`` once a slot was granted and ``service_s`` has passed."""
+        if self.free > 0:
+            self.free -= 1
+            self._start(answer)
+        else:
+            self.waiting.append(answer)
+            self.max_waiting = max(self.max_waiting, len(self.waiting))
+
+    def _start(self, answer: Callable[[], None]) -> None:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        self.loop.call_later(self.service_s, self._done, answer)
+
+    def _done(self, answer: Callable[[], None]) -> None:
+        self.served += 1
+        answer()
+        if self.waiting:  # the slot passes straight to the longest waiter
+            self._start(self.waiting.popleft())
+        else:
+            self.free += 1
+
+
+class SaturatingUpstream(Upstream):
+    """``Upstream`` whose completions go through a shared ``Capacity``. A connection's
+    answers still leave in the order its requests came: each waits on the one before."""
+
+    def __init__(self, capacity: Capacity) -> None:
+        super().__init__()
+        self.capacity = capacity
+        # One box per request, in order: [chunks] once answerable, [None] until then.
+        self.pending: collections.deque[list[list[bytes] | None]] = collections.deque()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while (request := next_request(self.buf)) is not None:
+            head, body, self.buf = request
+            if head.startswith(b"get /health"):
+                self.pending.append([[HEALTH]])
+                self._flush()
+                continue
+            box: list[list[bytes] | None] = [None]
+            self.pending.append(box)
+            chunks = self.stream_chunks if _STREAM_FLAG.search(body) else [RESPONSE]
+            self.capacity.submit(partial(self._ready, box, chunks))
+
+    def _ready(self, box: list[list[bytes] | None], chunks: list[bytes]) -> None:
+        box[0] = chunks
+        self._flush()
+
+    def _flush(self) -> None:
+        transport = self.transport
+        while self.pending and self.pending[0][0] is not None:
+            chunks = self.pending.popleft()[0] or []
+            if transport is not None and not transport.is_closing():
+                for chunk in chunks:  # one write per SSE event, as the instant fake
+                    transport.write(chunk)
+
+
 async def serve_forever(factory: Callable[[], asyncio.Protocol], port: int) -> None:
     """A protocol server on 127.0.0.1:``port`` until the process is stopped."""
     loop = asyncio.get_running_loop()
@@ -138,8 +221,26 @@ async def serve_forever(factory: Callable[[], asyncio.Protocol], port: int) -> N
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--service-ms",
+        type=float,
+        default=0.0,
+        help="saturating mode: each completion holds a slot this long (0: instant)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=0,
+        help="saturating mode: slots (capacity = concurrency / service time)",
+    )
     args = parser.parse_args(argv)
-    uvloop.run(serve_forever(Upstream, args.port))
+    factory: Callable[[], asyncio.Protocol] = Upstream
+    if args.service_ms > 0:
+        if args.concurrency < 1:
+            parser.error("--service-ms needs --concurrency >= 1")
+        capacity = Capacity(args.service_ms / 1000.0, args.concurrency)
+        factory = partial(SaturatingUpstream, capacity)
+    uvloop.run(serve_forever(factory, args.port))
     return 0
 
 

@@ -40,7 +40,12 @@ worst input, not the best: a sibling's own dispatch changes the next sibling's v
 ``bench/workers_routing.py`` (a), 8 workers: one shared 50 ms snapshot keeps 96.9 % of
 groups on one replica (97.0 % when it is 50-100 ms old); live counts 25 %, each worker
 sampling the counts on its own 50 ms timer 52 %. So publish the sum once per period (one
-writer, a sequence number) and let every worker adopt it as soon as it is published.
+writer at a time, a sequence number) and let every worker adopt it as soon as it is
+published. The period is 2 ms (``gateway.fleet.shared.FLEET_LOADS_S``), not 50: when the
+replicas saturate, a replica over the bound drains in a few ms, and a table 100 ms old
+kept every worker's new keys off it that long (the fleet herded: 8 workers, 4 saturating
+fakes, 32k req/s, p99 19.8 ms at 100 ms; 36.9k, 14.9 ms at 10 ms; 38.8k, 11.0 ms at 2 ms;
+``bench/results/cores-saturated.md``).
 
 Sans-I/O: no clock, no shared memory; the caller brings the table.
 """

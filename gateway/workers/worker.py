@@ -24,7 +24,7 @@ from yarl import URL
 from gateway.api.requests import read_body
 from gateway.api.responses import error_response
 from gateway.errors import GatewayError, UpstreamUnavailable
-from gateway.fleet.shared import SharedState
+from gateway.fleet.shared import FLEET_LOADS_S, SharedState
 from gateway.http.upstream import HOP_BY_HOP
 from gateway.workers.channel import read_message, write_message
 from gateway.workers.snapshot import ControlSnapshot, RunView, SnapshotRoutes
@@ -141,12 +141,17 @@ class Follower:
 
 
 async def share_loads(gw: Gateway, shared: SharedState, worker: int, interval_s: float) -> None:
-    """Every ``interval_s``: publish this worker's in-flight counts per replica (the owner
-    sums every worker's into the table the routers read, ``FleetLoadsFeed``)."""
+    """Every ``fleet.shared.FLEET_LOADS_S`` (or ``interval_s``, if shorter): publish this
+    worker's in-flight counts per replica and, if the fleet-load table is that old, sum
+    every worker's into it (the table the routers read, ``FleetLoadsFeed``). The owner's
+    own 50 ms sum alone let the table age 100 ms, and saturated replicas herded
+    (``gateway.fleet.shared``)."""
     replicas = range(shared.replicas)
+    period = min(interval_s, FLEET_LOADS_S)
     while True:
         shared.publish_loads(worker, [gw.pool[i].in_flight for i in replicas])
-        await asyncio.sleep(interval_s)
+        shared.publish_fleet_loads_due(period)
+        await asyncio.sleep(period)
 
 
 class FleetLoadsFeed:

@@ -262,6 +262,26 @@ class Pod:
         res = podman("logs", f"{self.spec['metadata']['name']}-{container}", check=False)
         return res.stdout + res.stderr
 
+    def leftovers(self) -> list[str]:
+        """What of this pod still exists after ``play`` ended, asked by name: the pod, its
+        containers, the PVC's volume, the podman secret."""
+        spec, pod = self.spec["spec"], self.spec["metadata"]["name"]
+        names = [("pod", pod)] + [("container", f"{pod}-{c['name']}") for c in spec["containers"]]
+        names += [("volume", v["persistentVolumeClaim"]["claimName"])
+                  for v in spec["volumes"] if "persistentVolumeClaim" in v]  # fmt: skip
+        names += [("secret", e["valueFrom"]["secretKeyRef"]["name"])
+                  for c in spec["containers"] for e in c.get("env", [])
+                  if "secretKeyRef" in e.get("valueFrom", {})]  # fmt: skip
+        found = []
+        for kind, name in dict.fromkeys(names):
+            if kind == "secret":
+                there = podman("secret", "inspect", name, check=False).returncode == 0
+            else:
+                there = podman(kind, "exists", name, check=False).returncode == 0
+            if there:
+                found.append(f"{kind} {name}")
+        return found
+
     def restarts(self, container: str) -> int:
         """How often the container was restarted: kube play restarts what exits (Always),
         so a replica that crashes at start shows here, not as a stopped container."""

@@ -39,6 +39,8 @@ def pod(
     with kube.play(gateway_image, vllm_image, tmp_path_factory.mktemp("kube-vllm"),
                    replicas="vllm-cpu") as played:  # fmt: skip
         yield played
+    left = played.leftovers()
+    assert not left, f"kube down left {left}"
 
 
 def _vllm(name: str = "vllm.yaml") -> dict[str, Any]:
