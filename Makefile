@@ -52,7 +52,7 @@ tools: venv
 	bash tests/deploy/ensure_tools.sh $(BIN)/python
 
 test-fast: venv tools
-	$(BIN)/python -m pytest -m "not e2e" -q --ignore=tests/container
+	$(BIN)/python -m pytest -m "not e2e" -q --ignore=tests/container --ignore=tests/rehearsal
 
 image:
 	bash scripts/build-image.sh
