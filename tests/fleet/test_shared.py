@@ -506,3 +506,35 @@ def test_a_table_being_written_is_not_read() -> None:
     assert table.fleet_loads(seen) == (seen, None)
     table.cells[table.fleet_at] += 1.0
     assert table.fleet_loads(seen)[1] is not None
+
+
+def test_a_worker_sums_the_table_when_it_is_due_and_only_then() -> None:
+    """Issue 28: any worker sums the rows every ``FLEET_LOADS_S`` (the owner's 50 ms let
+    the table age 100 ms, and saturated replicas herded); one sum per period fleet-wide."""
+    table = SharedState(replicas=2, workers=2)
+    seen, _ = table.fleet_loads(-1.0)
+    table.publish_loads(0, [3, 1])
+    table.publish_loads(1, [2, 2])
+    assert table.publish_fleet_loads_due(0.002, now=100.0)  # never summed: due
+    newer, loads = table.fleet_loads(seen)
+    assert newer > seen and loads == {0: 5, 1: 3}
+    table.publish_loads(1, [0, 0])
+    assert not table.publish_fleet_loads_due(0.002, now=100.001)  # summed 1 ms ago
+    assert table.fleet_loads(newer) == (newer, None)
+    assert in_child(lambda: table.publish_fleet_loads_due(0.002, now=100.003))  # another worker
+    assert table.fleet_loads(newer)[1] == {0: 3, 1: 1}
+
+
+def test_no_sum_is_written_without_the_lock() -> None:
+    """Two writers' ``+= 1`` on the sequence could leave it odd, and no worker would adopt
+    a table again: a writer that cannot get the lock writes nothing."""
+    table = SharedState(replicas=1, workers=1)
+    seen, _ = table.fleet_loads(-1.0)
+    table.publish_loads(0, [7])
+    with table.locked():  # a dead worker's lock, say
+        assert not table.publish_fleet_loads_due(0.0, now=5.0)  # does not wait
+        assert not table.publish_fleet_loads(now=5.0)  # waits _LOCK_WAIT_S, then skips
+    assert table.fleet_loads(seen) == (seen, None)
+    assert int(table.cells[table.fleet_at]) % 2 == 0
+    assert table.publish_fleet_loads(now=5.0)
+    assert table.fleet_loads(seen)[1] == {0: 7}
