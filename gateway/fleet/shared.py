@@ -88,19 +88,18 @@ class SharedState:
         for index, count in enumerate(loads[: self.replicas]):
             self.cells[row + index] = float(count)
 
-    def publish_fleet_loads(self, now: float | None = None) -> bool:
-        """Sum the workers' rows into one table, under a sequence number (odd while
-        writing), so every worker routes by the same one. The owner (every 50 ms) and the
-        workers (``publish_fleet_loads_due``) all write it: the lock keeps one writer at a
-        time, and without it nothing is written (two writers' ``+= 1`` could leave the
-        sequence odd, and no worker would ever adopt a table again). False if skipped."""
-        if not self._lock.acquire(timeout=_LOCK_WAIT_S):
-            return False
+    def publish_fleet_loads(self, now: float | None = None) -> None:
+        """The owner, every 50 ms: sum the workers' rows into one table, under a sequence
+        number (odd while writing), so every worker routes by the same one. Workers sum it
+        too (``publish_fleet_loads_due``): the lock keeps one writer at a time. A lock not
+        had in ``_LOCK_WAIT_S`` is a dead worker's: the owner writes anyway (``_sum``
+        mends the odd sequence such a worker may have left), so the table never freezes."""
+        got = self._lock.acquire(timeout=_LOCK_WAIT_S)
         try:
             self._sum(time.monotonic() if now is None else now)
         finally:
-            self._lock.release()
-        return True
+            if got:
+                self._lock.release()
 
     def publish_fleet_loads_due(self, period_s: float, now: float | None = None) -> bool:
         """``publish_fleet_loads`` if the table is ``period_s`` old, by whichever worker
@@ -121,14 +120,15 @@ class SharedState:
         return True
 
     def _sum(self, now: float) -> None:
-        """The table from the rows (lock held)."""
+        """The table from the rows (lock held, or its holder dead)."""
         at, n, seq, cells = self.loads_at, self.replicas, self.fleet_at, self.cells
-        cells[seq] += 1.0
+        writing = cells[seq] + (2.0 if int(cells[seq]) % 2 else 1.0)  # odd, whatever was left
+        cells[seq] = writing
         for index in range(n):
             cells[seq + 1 + index] = float(
                 sum(cells[at + w * n + index] for w in range(self.workers))
             )
-        cells[seq] += 1.0
+        cells[seq] = writing + 1.0
         cells[self.summed_at] = now
 
     def fleet_loads(self, seen: float) -> tuple[float, dict[int, int] | None]:

@@ -525,16 +525,17 @@ def test_a_worker_sums_the_table_when_it_is_due_and_only_then() -> None:
     assert table.fleet_loads(newer)[1] == {0: 3, 1: 1}
 
 
-def test_no_sum_is_written_without_the_lock() -> None:
-    """Two writers' ``+= 1`` on the sequence could leave it odd, and no worker would adopt
-    a table again: a writer that cannot get the lock writes nothing."""
+def test_a_worker_never_waits_for_the_lock_and_the_owner_outlives_a_dead_holder() -> None:
+    """A worker that finds the lock taken skips its sum (whoever holds it is summing). A
+    lock held past ``_LOCK_WAIT_S`` is a dead worker's: the owner writes anyway, and mends
+    the odd sequence such a worker may have left mid-sum, so the table never freezes."""
     table = SharedState(replicas=1, workers=1)
     seen, _ = table.fleet_loads(-1.0)
     table.publish_loads(0, [7])
-    with table.locked():  # a dead worker's lock, say
+    with table.locked():  # a worker died holding it, mid-sum
+        table.cells[table.fleet_at] += 1.0  # odd: no worker adopts
         assert not table.publish_fleet_loads_due(0.0, now=5.0)  # does not wait
-        assert not table.publish_fleet_loads(now=5.0)  # waits _LOCK_WAIT_S, then skips
-    assert table.fleet_loads(seen) == (seen, None)
+        assert table.fleet_loads(seen) == (seen, None)
+        table.publish_fleet_loads(now=5.0)  # the owner, after _LOCK_WAIT_S
     assert int(table.cells[table.fleet_at]) % 2 == 0
-    assert table.publish_fleet_loads(now=5.0)
     assert table.fleet_loads(seen)[1] == {0: 7}
