@@ -48,7 +48,7 @@ class RoutingConfig:
     #: spills: leaving its KV prefix costs a full prefill, a new key costs nothing.
     affinity_slack: int = 8
     #: With N > 1 data-plane workers (``set_workers``) new keys are bounded by the fleet-wide
-    #: snapshot (``fleet.py``), up to ~100 ms old; these three replace ``min_load_bound``,
+    #: table (``fleet.py``), a few ms old (2 ms period); these three replace ``min_load_bound``,
     #: ``affinity_slack`` and ``key_blocks`` there (measured: ``bench/workers_routing.py``,
     #: 8 replicas, ``--set name=value``). Floor 2 G: few moves where loads are small, and
     #: every move is one a conversation's later turn on another worker cannot repeat ((b),
