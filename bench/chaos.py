@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import threading
@@ -45,14 +46,14 @@ from bench.lib import report  # noqa: E402
 LOAD_DEADLINE_S = float(H.GATEWAY_ENV["GATEWAY_ADAPTER_LOAD_DEADLINE_S"])
 
 
-def learned(rewards: Any) -> tuple[bool, str]:
+def learned(rewards: Any, what: str = "reward") -> tuple[bool, str]:
     """tests/trl/checks.py's rule (z > 3 and 1.25x, last 10 steps against the first 10)."""
     from tests.trl.checks import assert_learned
 
     if len(rewards) < 20:
         return False, f"only {len(rewards)} steps (the rule needs 20)"
     try:
-        z = assert_learned(rewards, "chaos")
+        z = assert_learned(rewards, what)
     except AssertionError:
         from tests.trl.checks import LEARNING
 
@@ -141,6 +142,8 @@ def markdown(d: dict[str, Any]) -> str:
     for g, v in c["goals"].items():
         lines.append(f"| {g} | {'PASS' if v['pass'] else 'FAIL'} | {v['detail']} |")
     gt = c.get("gateway_totals", {})
+    kinds = d.get("trl_retry_kinds") or {}
+    trl_5xx = sum(v for k, v in kinds.items() if k.rsplit(" ", 1)[-1].startswith("5"))
     lines += [
         "",
         "## Figures",
@@ -159,8 +162,10 @@ def markdown(d: dict[str, Any]) -> str:
         f"{b.get('trl_dropped_stale')} |",
         f"| weight sync p50 / max s (HTTP, TRL) | {c['sync_p50_s']} / {c['sync_max_s']} | "
         f"{b.get('sync_p50_s')} / {b.get('sync_max_s')} |",
-        f"| gateway 5xx answers (summed over {c['chaos']['gateway_restarts'] + 1} gateway "
-        f"processes) | {gt.get('http_5xx', 0):.0f} | |",
+        f"| gateway 5xx answers, as its /metrics counts them (summed over "
+        f"{c['chaos']['gateway_restarts'] + 1} gateway processes) | {gt.get('http_5xx', 0):.0f} "
+        "| |",
+        f"| 5xx answers TRL's worker logged (retried) | {trl_5xx if kinds else 'not counted'} | |",
         f"| gateway failed control calls (broadcasts failed / adapter loads not ok) | "
         f"{gt.get('broadcasts_failed', 0):.0f} / "
         f"{gt.get('adapter_loads_total', 0) - gt.get('adapter_loads_ok', 0):.0f} | |",
@@ -170,16 +175,33 @@ def markdown(d: dict[str, Any]) -> str:
         "",
         "## Recovery per fault kind",
         "",
-        "| kind | scheduled | fired | skipped | recovered | p50 s | max s | phases hit | "
-        "definition |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Fault length: kill, from SIGKILL until the restarted replica answered its own "
+        "/health after warm-up (the restart delay plus a vLLM cold start); stop, the SIGSTOP "
+        "hold; gateway, from the signal until the new process answered /health; stall, "
+        "the hold. Recovery starts where the fault ends.",
+        "",
+        "| kind | scheduled | fired | skipped | recovered | fault length p50 / max s | "
+        "recovery p50 s | recovery max s | phases hit | recovery: definition |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    faults = c.get("chaos", {}).get("faults", [])
     for kind, r in c.get("recovery", {}).items():
+        lengths = [f["ended_at"] - f["fired_at"] for f in faults
+                   if f["kind"] == kind and f["fired_at"] and f["ended_at"]]  # fmt: skip
         lines.append(
             f"| {kind} | {r['scheduled']} | {r['fired']} | {r['skipped']} | {r['recovered']} | "
+            f"{_pct(lengths, 0.5)} / {round(max(lengths), 2) if lengths else None} | "
             f"{r['recovery_p50_s']} | {r['recovery_max_s']} | {', '.join(r['phases_fired'])} "
             f"| {I.RECOVERY[kind]} |"
         )
+    if kinds:
+        lines += [
+            "",
+            "TRL's rollout retries by the error its worker logged (its `... /v1/completions "
+            "failed (...); retry` warnings, counted in the run's log): "
+            + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+            + ".",
+        ]
     rw, bw = c["rewards"], b.get("rewards") or []
     n = min(len(rw), len(bw))
     lines += ["", "## Reward against the fault-free run", ""]
@@ -191,8 +213,11 @@ def markdown(d: dict[str, Any]) -> str:
             f"{statistics.mean(bw[n - 10 : n]):.4f}."
         )
     if b.get("goals", {}).get("learned"):
-        lines.append(f"Fault-free run, the same rule: {b['goals']['learned']['detail']}.")
-    if m["baseline_s"] < m["duration_s"]:
+        rule = b["goals"]["learned"]["detail"].split(": ", 1)[-1]
+        lines.append(f"Fault-free run, the same rule: {rule}.")
+    if not m["baseline_s"]:
+        lines.append("No fault-free run in this invocation (`--baseline-s 0`).")
+    elif m["baseline_s"] < m["duration_s"]:
         lines.append(f"The fault-free run is shorter ({m['baseline_s']:.0f} s against "
                      f"{m['duration_s']:.0f} s) to fit the time box.")  # fmt: skip
     fe = c["fleet_end"]
@@ -218,6 +243,9 @@ def markdown(d: dict[str, Any]) -> str:
         notes = "; ".join(f["notes"]).replace("|", "/")[:200]
         lines.append(f"| {f['index']} | {f['t']} | {f['kind']} | {params} | {where} | "
                      f"{f['recovery_s']} | {notes} |")  # fmt: skip
+    if d.get("notes"):
+        lines += ["", "## Notes (read off the run's records)", ""]
+        lines += [f"- {x}" for x in d["notes"]]
     lines += ["", "## Broken", ""]
     broken = d.get("broken") or []
     lines += [f"- {x}" for x in broken] if broken else ["Nothing the goals or the faults' "
@@ -266,6 +294,17 @@ def plot(d: dict[str, Any], png: Path) -> object:
     return True
 
 
+def retry_kinds(log: Path) -> dict[str, int]:
+    """TRL's rollout retries by error type and status, from its worker's warnings."""
+    pat = re.compile(r"(?:POST|vllm) /v1/completions failed \((\w+)(?:: (\d{3}))?")
+    out: dict[str, int] = {}
+    # Over the whole text, not per line: the worker's and the trainer's writes interleave.
+    for m in pat.finditer(log.read_text(errors="replace")):
+        key = m.group(1) + (f" {m.group(2)}" if m.group(2) else "")
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
 def broken_from(c: dict[str, Any]) -> list[str]:
     """Faults whose records show a failure (for the "Broken" section)."""
     out = []
@@ -293,9 +332,19 @@ def main(argv: list[str] | None = None) -> int:
         help="end everything after this long (default: duration + baseline + 1500)",
     )
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--retries-from", type=Path, default=None,
+                   help="with --report-only: count TRL's retries in this run log")  # fmt: skip
+    p.add_argument("--broken", action="append", default=[],
+                   help="with --report-only: a finding for Broken")  # fmt: skip
+    p.add_argument("--note", action="append", default=[], help="with --report-only: a note")
     args = p.parse_args(argv)
     if args.report_only:
         data = json.loads((report.RESULTS / f"{args.out_stem}.json").read_text())
+        if args.retries_from is not None:
+            data["trl_retry_kinds"] = retry_kinds(args.retries_from)
+        if args.broken or not data.get("broken"):
+            data["broken"] = broken_from(data["chaos_run"]) + args.broken
+        data["notes"] = args.note or data.get("notes") or []
         write(data, args.out_stem)
         return 0
     faults: list[Fault] = make_schedule(args.seed, max(0.0, args.duration_s - 15),
