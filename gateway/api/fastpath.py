@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
@@ -101,11 +102,12 @@ class FastPath:
         ``leave`` with once it is sent (None: refused before admission), and the run to
         ``leave`` (multi-run mode, once counted against its cap)."""
         gw = self.gateway
+        started = time.perf_counter()
         try:
             check_headers(inbound.headers, gw.settings)
             client = admit(gw, inbound)
         except GatewayError as exc:
-            return self._refuse(exc), None, None
+            return self._refuse(exc, started), None, None
         counted: Tenant | None = None
         try:
             authorization = inbound.header(b"authorization")
@@ -131,19 +133,25 @@ class FastPath:
         except GatewayError as exc:
             if counted is not None:
                 exc.message = counted.run.unscope_text(exc.message)
-            return self._refuse(exc), client, counted
+            return self._refuse(exc, started), client, counted
         except Exception:
             log.exception("unhandled error on POST %s", inbound.path)
-            return error_response(GatewayError("Internal gateway error.")), client, counted
+            return self._refuse(GatewayError("Internal gateway error."), started), client, counted
         except BaseException:
             gw.admission.leave(client)
             if counted is not None:
                 counted.leave(inbound.task)
             raise
 
-    def _refuse(self, exc: GatewayError) -> Response:
+    def _refuse(self, exc: GatewayError, started: float | None = None) -> Response:
+        """The error answer; a rollout's (``started``: when it arrived) is counted in the
+        request metrics like any other answer (``dispatch`` counts the ones a replica
+        gave), so the 5xx-rate alert sees the gateway's own 502/503/504 too."""
+        metrics = self.gateway.metrics
         if exc.limit is not None:
-            self.gateway.metrics.rejected.labels(exc.limit).inc()
+            metrics.rejected.labels(exc.limit).inc()
+        if started is not None:
+            metrics.record_request(RouteKind.ROUTED, exc.status, time.perf_counter() - started)
         return error_response(exc)
 
 
