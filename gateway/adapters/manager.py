@@ -55,7 +55,6 @@ from gateway.adapters.state import (
     Settlement,
     Snapshot,
     UnloadOnReplica,
-    audit_drift,
 )
 from gateway.errors import (
     BadRequest,
@@ -369,12 +368,10 @@ class AdapterManager:
             return
         mark = core.audit_mark(replica)
         models = await self._models(replica)
-        if models is None or core.audit_mark(replica) != mark:
+        if models is None:
             return
-        drift = audit_drift(core.believed(replica), models[0])
-        audits = sum(n for k, n in core.counts.items() if k.startswith("audit."))
-        actions = core.audit(replica, models[0], mark, self._clock())
-        if sum(n for k, n in core.counts.items() if k.startswith("audit.")) > audits:
+        drift, actions = core.audit(replica, models[0], mark, self._clock())
+        if drift:
             found = "; ".join(f"{kind} {', '.join(names)}" for kind, names in drift.items())
             log.warning("replica %d drifted from the registry (%s): reconciling it", replica, found)
         self.executor.submit(actions)

@@ -704,7 +704,7 @@ class AdapterRegistry(RequestCounts):
 
     def audit(
         self, replica: int, listing: Iterable[ListedAdapter], mark: int, now: float
-    ) -> list[Action]:
+    ) -> tuple[dict[str, list[str]], list[Action]]:
         """A periodic re-read of an admitted replica's ``/v1/models``.
 
         Health probes only say a replica answers. What it holds can still drift from the
@@ -714,7 +714,9 @@ class AdapterRegistry(RequestCounts):
         manual load or unload. Any difference sends the replica back to reconciliation,
         as after a fault: strays are unloaded, missing versions replayed, and it is
         admitted again once it holds what the registry says. A copy whose path did not
-        change keeps its salt (``observe``), so its cached KV stays usable."""
+        change keeps its salt (``observe``), so its cached KV stays usable. Returns the
+        drift acted on (``audit_drift``; empty: none, or the listing was not usable) and
+        the actions."""
         rep = self._replicas.get(replica)
         if (
             rep is None
@@ -722,15 +724,15 @@ class AdapterRegistry(RequestCounts):
             or self._changes[replica] != mark
             or not self.replica_settled(replica)
         ):
-            return []  # not admitted, or something changed since the listing was asked
+            return {}, []  # not admitted, or something changed since the listing was asked
         entries = list(listing)
         drift = audit_drift(self.believed(replica), entries)
         if not drift:
-            return []
+            return {}, []
         for kind, names in drift.items():
             self.counts[f"audit.{kind}"] += len(names)
         rep.state = _advance(REPLICA_TRANSITIONS, rep.state, ReplicaEvent.FAULT)
-        return self.observe(replica, entries, now)
+        return drift, self.observe(replica, entries, now)
 
     def on_result(self, action: Action, result: Result, now: float) -> list[Action]:
         """Feed back one performed action. Results of cancelled actions are ignored."""

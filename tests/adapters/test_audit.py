@@ -45,7 +45,7 @@ def test_a_replica_that_holds_what_it_should_is_left_alone() -> None:
     core, fakes = make()
     salts = core.salts("p-v1")
     mark = core.audit_mark(1)
-    assert core.audit(1, fakes[1].listing(), mark, 1.0) == []
+    assert core.audit(1, fakes[1].listing(), mark, 1.0) == ({}, [])
     assert core.replica_state(1) is ReplicaState.UP and core.salts("p-v1") == salts
     assert not any(k.startswith("audit.") for k in core.counts)
 
@@ -54,7 +54,8 @@ def test_a_late_stray_is_unloaded_and_the_replica_readmitted() -> None:
     core, fakes = make()
     fakes[1].held["p-v9"] = "/r/p-v9"  # a load applied late, after it was left out
     kept = core.salt("p-v1", 1)
-    actions = core.audit(1, fakes[1].listing(), core.audit_mark(1), 1.0)
+    drift, actions = core.audit(1, fakes[1].listing(), core.audit_mark(1), 1.0)
+    assert drift == {"stray": ["p-v9"]}
     assert core.replica_state(1) is ReplicaState.SYNCING
     assert core.candidates("p-v1") == frozenset({0})  # out of adapter traffic meanwhile
     assert [(type(a), a.name) for a in actions] == [(UnloadOnReplica, "p-v9")]
@@ -67,7 +68,8 @@ def test_a_late_stray_is_unloaded_and_the_replica_readmitted() -> None:
 def test_a_missing_live_version_is_replayed() -> None:
     core, fakes = make()
     del fakes[0].held["p-v2"]  # a replica restarted between two health probes
-    actions = core.audit(0, fakes[0].listing(), core.audit_mark(0), 1.0)
+    drift, actions = core.audit(0, fakes[0].listing(), core.audit_mark(0), 1.0)
+    assert drift == {"missing": ["p-v2"]}
     assert [(type(a), a.name) for a in actions] == [(LoadOnReplica, "p-v2")]
     drive(core, fakes, actions, 1.0)
     assert fakes[0].held["p-v2"] == "/r/p-v2" and core.replica_state(0) is ReplicaState.UP
@@ -79,7 +81,7 @@ def test_a_listing_older_than_a_change_is_ignored() -> None:
     mark = core.audit_mark(1)
     listing = fakes[1].listing()  # asked for before the next publish
     drive(core, fakes, core.request_load("p-v3", "/r/p-v3", inplace=False, now=1.0), 1.0)
-    assert core.audit(1, listing, mark, 2.0) == []  # it lacks p-v3, but is simply old
+    assert core.audit(1, listing, mark, 2.0) == ({}, [])  # it lacks p-v3, but is old
     assert core.replica_state(1) is ReplicaState.UP
 
 
