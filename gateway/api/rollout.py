@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.adapters.naming import NamePattern, retired_successor
+from gateway.adapters.naming import retired_successor
 from gateway.api.auth import require_client
 from gateway.api.cache_salt import check_client_salt, salted
 from gateway.api.requests import (
@@ -231,7 +231,7 @@ def plan_rollout(
             allowed = routes.candidates(model)
     candidates = healthy if allowed is None else [i for i in healthy if i in allowed]
     if not candidates and isinstance(model, str) and allowed is not None:
-        pattern = NamePattern(settings.adapter_name_pattern)  # compiled once, by re
+        pattern = tenant.manager.policy.name_pattern
         successor = retired_successor(pattern, model, routes.live_names())
         if successor is not None:  # docs/adapters.md, "Retired versions"
             gw.metrics.retired_rollouts.inc()
