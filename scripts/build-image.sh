@@ -51,16 +51,9 @@ ensure_tools() {
 }
 
 # podman flags every command here needs on these machines: runc (crun refuses the hybrid
-# cgroup v1 setup) and rlimits no higher than this shell's, since raising them is refused
-# (nproc: podman's default 32768 at most; this shell's own nproc is refused here too).
-limits() {
-    local n p
-    n=$(ulimit -n)
-    p=$(ulimit -u)
-    [[ $n == unlimited || $n -gt 1048576 ]] && n=1048576
-    [[ $p == unlimited || $p -gt 32768 ]] && p=32768
-    echo "--ulimit nofile=$n:$n --ulimit nproc=$p:$p"
-}
+# cgroup v1 setup) and rlimits no higher than this shell's (``limits``).
+# shellcheck source=scripts/podman-limits.sh
+source scripts/podman-limits.sh
 
 debian_mirror() {
     if [[ -n "${DEBIAN_MIRROR:-}" ]]; then

@@ -26,14 +26,8 @@ log() { echo "build-rehearsal-image: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 # The same podman flags as scripts/build-image.sh: runc, rlimits no higher than this shell's.
-limits() {
-    local n p
-    n=$(ulimit -n)
-    p=$(ulimit -u)
-    [[ $n == unlimited || $n -gt 1048576 ]] && n=1048576
-    [[ $p == unlimited || $p -gt 32768 ]] && p=32768
-    echo "--ulimit nofile=$n:$n --ulimit nproc=$p:$p"
-}
+# shellcheck source=scripts/podman-limits.sh
+source scripts/podman-limits.sh
 
 base_image() {
     if [[ -n "${BASE_IMAGE:-}" ]]; then
