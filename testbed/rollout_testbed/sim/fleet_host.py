@@ -41,7 +41,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.http.serving import listen_socket
 from rollout_testbed.sim.app import create_sim_app
 from rollout_testbed.sim.config import SimConfig
-from rollout_testbed.sim.latency import LatencyModel
+from rollout_testbed.sim.server import add_config_args, config_from_args
 from rollout_testbed.sim.state import SimState
 
 __all__ = ["MAX_HOLD_S", "FleetHost", "build_parser", "format_ports", "main", "parse_ports"]
@@ -164,13 +164,6 @@ class FleetHost:
             await _answer(send, 404, {"error": f"no {method} {path}"})
 
 
-def _latency(spec: str) -> LatencyModel:
-    try:
-        return LatencyModel.parse(spec)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _ports(spec: str) -> list[int]:
     try:
         return parse_ports(spec)
@@ -179,16 +172,13 @@ def _ports(spec: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = SimConfig()
     p = argparse.ArgumentParser(
         prog="python -m rollout_testbed.sim.fleet_host",
         description="K simulated vLLM replicas in one process, one port each.",
     )
     p.add_argument("--ports", type=_ports, required=True, help="e.g. 9100-9163,9200")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--model", default=d.model)
-    p.add_argument("--max-loras", type=int, default=d.max_loras)
-    p.add_argument("--latency-model", type=_latency, default=LatencyModel(), metavar="SPEC")
+    add_config_args(p)  # every replica's options, as one sim-replica's
     p.add_argument(
         "--keep-alive-s",
         type=float,
@@ -205,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        config = SimConfig(model=args.model, max_loras=args.max_loras, latency=args.latency_model)
+        config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     ports: list[int] = args.ports

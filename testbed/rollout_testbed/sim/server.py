@@ -19,7 +19,7 @@ from rollout_testbed.sim.app import create_sim_app
 from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.latency import LatencyModel
 
-__all__ = ["build_parser", "config_from_args", "main", "serve"]
+__all__ = ["add_config_args", "build_parser", "config_from_args", "main", "serve"]
 
 
 def _latency(spec: str) -> LatencyModel:
@@ -30,13 +30,21 @@ def _latency(spec: str) -> LatencyModel:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = SimConfig()
     p = argparse.ArgumentParser(
         prog="rollout-testbed sim-replica",
         description="A simulated vLLM replica (OpenAI server, runtime LoRA, dev-mode endpoints).",
     )
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
+    add_config_args(p)
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """The options ``config_from_args`` reads: one replica's, or each of a fleet host's
+    (``rollout_testbed.sim.fleet_host``)."""
+    d = SimConfig()
     p.add_argument("--model", default=d.model, help="served model name (default %(default)s)")
     p.add_argument("--max-loras", type=int, default=d.max_loras)
     p.add_argument("--max-cpu-loras", type=int, default=None)
@@ -56,8 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="answer 404 'No adapter found' for a lora_path that is not a directory",
     )
-    p.add_argument("--log-level", default="warning")
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
