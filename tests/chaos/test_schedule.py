@@ -11,7 +11,10 @@ from rollout_testbed.chaos.schedule import (
     GAP_S,
     KILL,
     KINDS,
+    NET,
+    NET_MODES,
     PHASES,
+    REPLICA_KINDS,
     STALL,
     STALL_DEADLINE_FRACTION,
     STOP,
@@ -42,26 +45,32 @@ def test_a_long_run_meets_every_kind_and_every_phase_of_a_sync() -> None:
     faults = make_schedule(0, 1800)
     counts = summary(faults)
     assert all(counts.get(k, 0) >= 3 for k in KINDS), counts
-    replica_phases = {f.params["phase"] for f in faults if f.kind in (KILL, STOP)}
+    replica_phases = {f.params["phase"] for f in faults if f.kind in REPLICA_KINDS}
     assert replica_phases == set(PHASES)
+    assert {f.params["mode"] for f in faults if f.kind == NET} == set(NET_MODES)
+    # Network cuts land in every phase of a sync too, not only kills and stops.
+    assert {f.params["phase"] for f in faults if f.kind == NET} == set(PHASES)
 
 
 def test_a_short_run_meets_every_kind_once() -> None:
-    """The CI test's shape: a handful of faults, one block, every kind."""
-    faults = make_schedule(3, 80, gap_s=(12, 18))
-    assert {f.kind for f in faults[:5]} == set(KINDS), [f.describe() for f in faults]
+    """The CI test's shape: a handful of faults, one block of every kind once."""
+    faults = make_schedule(3, 80, gap_s=(12, 15), block=KINDS)
+    assert len(faults) >= len(KINDS)
+    assert {f.kind for f in faults[: len(KINDS)]} == set(KINDS), [f.describe() for f in faults]
 
 
 def test_params_are_in_range() -> None:
     for seed in range(20):
         for f in make_schedule(seed, 1800, replicas=2, load_deadline_s=60):
             p = f.params
-            if f.kind in (KILL, STOP):
+            if f.kind in REPLICA_KINDS:
                 assert p["replica"] in (0, 1) and p["phase"] in PHASES
             if f.kind == KILL:
                 assert 2 <= p["restart_delay_s"] <= 30
-            if f.kind == STOP:
+            if f.kind in (STOP, NET):
                 assert 1 <= p["hold_s"] <= 30
+            if f.kind == NET:
+                assert p["mode"] in NET_MODES
             if f.kind == STALL:
                 assert 1 <= p["hold_s"] <= 60 * STALL_DEADLINE_FRACTION
                 assert p["phase"] == "load"

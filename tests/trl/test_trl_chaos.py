@@ -1,6 +1,7 @@
 """The short, seeded chaos run (issue 27): TRL's real ``AsyncGRPOTrainer`` through the
 gateway while a fixed schedule kills a replica (restarted on its own core), stops one,
-restarts the gateway and holds an adapter directory back (``rollout_testbed.chaos``).
+restarts the gateway, holds an adapter directory back and cuts a replica's network
+(answers lost during a sync's ``/pause``; ``rollout_testbed.chaos``).
 ``make bench-chaos`` is the 30-minute version (bench/results/chaos.md).
 
 The run is too short for the learning rule (it needs well over 20 steps to be fair), so
@@ -21,16 +22,20 @@ from rollout_testbed.trl.harness import Layer, health
 # After the many-runs test (1.5), before tests/trl/test_trl_faults.py (2), whose last
 # test leaves replica 1 dead.
 ORDER = 1.8
-SEED = 176
-DURATION_S = 85.0
-GAP_S = (12.0, 18.0)
-# Training (85 s) + TRL's start (~30 s) + a replica restart that may still be running at
+# Seed 747, one block of each kind: a network cut (answers lost, in /pause), a gateway
+# SIGKILL, a stop, a stall, a kill, a gateway SIGTERM; the kill is the last replica fault
+# and each replica fault ends well before the next, so none is skipped.
+SEED = 747
+DURATION_S = 95.0
+GAP_S = (11.0, 14.0)
+# Training (95 s) + TRL's start (~30 s) + a replica restart that may still be running at
 # the end (40-120 s) + the end state (<= 60 s): 4-5 minutes at most on the CI box.
 pytestmark = pytest.mark.timeout(480)
 
 
 def test_short_seeded_chaos_run(fleet: Layer) -> None:
-    faults = make_schedule(SEED, DURATION_S - 15, gap_s=GAP_S)
+    assert fleet.netns, "network cuts need the replicas in namespaces (root, ip, iptables)"
+    faults = make_schedule(SEED, DURATION_S - 15, gap_s=GAP_S, block=KINDS)
     assert {f.kind for f in faults} == set(KINDS), [f.describe() for f in faults]
     t0 = time.monotonic()
     res, chaos, state = CR.run_chaos(fleet, "chaos-short", faults, duration_s=DURATION_S,

@@ -16,7 +16,10 @@ Faults, on processes this run started (by PID / process group, never by name):
   started again on its port; its ``/metrics`` is scraped right before, since a restart
   zeroes every counter;
 * ``stall``: the adapter directory TRL is about to load is renamed away and moved back
-  after ``hold_s``: the gateway's load meets "No adapter found" (mount lag).
+  after ``hold_s``: the gateway's load meets "No adapter found" (mount lag);
+* ``net``: the replica's port firewalled inside its own network namespace by ``mode``
+  (``rollout_testbed.local.netns``: partition, reject, requests or answers lost) for
+  ``hold_s``, then mended.
 
 A replica fault never takes down the last replica that is up: one whose target or
 other replica is already down is recorded as skipped (TRL's rollouts would otherwise
@@ -40,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_testbed.chaos.schedule import GATEWAY, KILL, STALL, STOP, Fault
+from rollout_testbed.chaos.schedule import GATEWAY, KILL, NET, REPLICA_KINDS, STALL, STOP, Fault
 from rollout_testbed.trl import harness as H
 
 # What "recovered" means per kind; written into the report.
@@ -54,6 +57,8 @@ RECOVERY = {
     "reports every replica not under another fault healthy and a trainer step has completed",
     STALL: "from the adapter directory moved back into place until a trainer step has "
     "completed (TRL's load returned and the next step trained)",
+    NET: "from the firewall rules removed until the gateway reports the replica healthy "
+    "with every adapter synced and a trainer step has completed",
 }
 # Gateway counters summed across restarts (each scrape: name, label substring).
 GATEWAY_COUNTERS: dict[str, tuple[str, str]] = {
@@ -92,6 +97,8 @@ def restart_on_core(layer: H.Layer, index: int, timeout: float = RESTART_BOUND_S
     from rollout_testbed.local import replicas as R
 
     port = int(layer.urls[index].rsplit(":", 1)[1])
+    ns = layer.netns[index] if layer.netns else None
+    host = ns.ns_ip if ns else "127.0.0.1"
     run_id = uuid.uuid4().hex
     rdir = H.TRL_DIR / "chaos-replicas" / f"r{index}-{run_id[:8]}"
     rdir.mkdir(parents=True, exist_ok=True)
@@ -101,16 +108,18 @@ def restart_on_core(layer: H.Layer, index: int, timeout: float = RESTART_BOUND_S
                          cache_dir=H.TRL_DIR / "vllm-cache" / f"r{index}")  # fmt: skip
     max_loras = H.MAX_STALENESS + 2
     cmd = R.vllm_command(
-        layer.python, str(layer.model_dir), port=port, host="127.0.0.1", max_loras=max_loras,
+        layer.python, str(layer.model_dir), port=port, host=host, max_loras=max_loras,
         max_cpu_loras=max_loras + 2, served_model_name=str(layer.model_dir),
         extra_args=list(H.VLLM_EXTRA_ARGS),
     )  # fmt: skip
     taskset = shutil.which("taskset")
     if taskset:
         cmd = [taskset, "-c", str(core), *cmd]
+    if ns:
+        cmd = [*ns.prefix(), *cmd]
     rs = R.ReplicaSet(
         kind="vllm", run_id=run_id, run_dir=str(rdir), state_file=str(rdir / "state.json"),
-        host="127.0.0.1", served_model_name=str(layer.model_dir), model_dir=str(layer.model_dir),
+        host=host, served_model_name=str(layer.model_dir), model_dir=str(layer.model_dir),
         max_staleness=H.MAX_STALENESS, max_loras=max_loras, python=layer.python,
         started_at=time.time(),
     )  # fmt: skip
@@ -240,7 +249,7 @@ class Chaos:
 
     def _fire(self, rec: FaultRecord, where: str, arg: str = "") -> None:
         try:
-            if rec.kind in (KILL, STOP):
+            if rec.kind in REPLICA_KINDS:
                 self._replica_fault(rec, where)
             elif rec.kind == GATEWAY:
                 self._gateway_restart(rec, where)
@@ -266,10 +275,20 @@ class Chaos:
             self.layer.kill_replica(i, wait=False)
             self._emit("SIGKILL replica", fault=rec.index, replica=i, where=where)
             self._spawn(f"chaos-restart-{rec.index}", self._restart_after, rec, i)
-        else:
+        elif rec.kind == STOP:
             self.layer.signal_replica(i, signal.SIGSTOP)
             self._emit("SIGSTOP replica", fault=rec.index, replica=i, where=where)
             self._spawn(f"chaos-cont-{rec.index}", self._cont_after, rec, i)
+        else:
+            mode = str(rec.params["mode"])
+            try:
+                self.layer.cut_network(i, mode)
+            except BaseException:
+                with self._lock:
+                    self.down.discard(i)
+                raise
+            self._emit("network cut", fault=rec.index, replica=i, mode=mode, where=where)
+            self._spawn(f"chaos-mend-{rec.index}", self._mend_after, rec, i)
 
     def _restart_after(self, rec: FaultRecord, i: int) -> None:
         try:
@@ -295,6 +314,22 @@ class Chaos:
                 self.layer.signal_replica(i, signal.SIGCONT)
             rec.ended_at = time.time()
             self._emit("SIGCONT replica", fault=rec.index, replica=i)
+        try:
+            self._await_recovery(rec, lambda: self._replica_back(i))
+        finally:
+            with self._lock:
+                self.down.discard(i)
+
+    def _mend_after(self, rec: FaultRecord, i: int) -> None:
+        try:
+            time.sleep(float(rec.params["hold_s"]))
+        finally:
+            try:
+                self.layer.mend_network(i)
+            except Exception as exc:  # finish() mends again
+                rec.notes.append(f"mend failed: {exc!r}")
+            rec.ended_at = time.time()
+            self._emit("network mended", fault=rec.index, replica=i)
         try:
             self._await_recovery(rec, lambda: self._replica_back(i))
         finally:
@@ -413,6 +448,7 @@ class Chaos:
         for i in range(len(self.layer.urls)):
             with contextlib.suppress(AssertionError, KeyError, ProcessLookupError):
                 self.layer.signal_replica(i, signal.SIGCONT)
+            self.layer.mend_network(i)
         for held in list(self._held):
             self._unstall(held)
         for rec in self.records:

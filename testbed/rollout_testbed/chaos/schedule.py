@@ -24,6 +24,12 @@ Why it looks the way it does:
   ``/pause``, ``/v1/load_lora_adapter`` and ``/resume`` once, with no retry, so a gateway
   that is down while one is sent ends TRL's run whatever the gateway does. Rollouts in
   flight (TRL's worker retries those) do meet the restart.
+* **Network cuts** firewall one replica's port inside its own network namespace
+  (``rollout_testbed.local.netns``) for ``hold_s``, by one of four ``mode``s drawn in
+  turn: a partition (dropped both ways), a reject (TCP resets), requests lost and answers
+  lost (one way each; with answers lost the replica still acts on what it receives). They
+  are replica faults, so they carry a ``phase`` like kills and stops, and come twice a
+  block: one kind of cut per block would take a long run to meet each mode in each phase.
 * **Folder stalls** hold a just-published adapter directory back, so the gateway's load
   meets mount lag; the hold is drawn below the gateway's load deadline times
   ``STALL_DEADLINE_FRACTION``: past the deadline the gateway answers 504 (its documented
@@ -40,19 +46,23 @@ KILL = "kill"  # SIGKILL a replica's process group; a fresh vLLM after restart_d
 STOP = "stop"  # SIGSTOP a replica's process group for hold_s, then SIGCONT
 GATEWAY = "gateway"  # restart the gateway on its port (SIGTERM or SIGKILL)
 STALL = "stall"  # hold a just-published adapter directory back for hold_s
-KINDS = (KILL, STOP, GATEWAY, STALL)
-BLOCK = (KILL, STOP, STOP, GATEWAY, STALL)
+NET = "net"  # cut a replica's network (mode) for hold_s, then mend it
+KINDS = (KILL, STOP, GATEWAY, STALL, NET)
+REPLICA_KINDS = (KILL, STOP, NET)
+BLOCK = (KILL, STOP, STOP, GATEWAY, STALL, NET, NET)
 PHASES = ("between", "pause", "load", "resume")
+NET_MODES = ("partition", "reject", "requests_lost", "answers_lost")  # local.netns.MODES
 GAP_S = (20.0, 60.0)
 KILL_RESTART_DELAY_S = (2.0, 30.0)
 STOP_HOLD_S = (1.0, 30.0)
+NET_HOLD_S = (1.0, 30.0)
 STALL_DEADLINE_FRACTION = 0.8
 
 
 @dataclass(frozen=True)
 class Fault:
     """One fault: ``t`` seconds after the chaos clock starts, of ``kind``, with ``params``
-    (``replica``, ``phase``, ``restart_delay_s``, ``hold_s``, ``signal``)."""
+    (``replica``, ``phase``, ``restart_delay_s``, ``hold_s``, ``signal``, ``mode``)."""
 
     t: float
     kind: str
@@ -86,6 +96,7 @@ def make_schedule(
     rng = random.Random(seed)
     kinds: list[str] = []
     phases: list[str] = []
+    modes: list[str] = []
     out: list[Fault] = []
     t = 0.0
     while len(out) < max_faults:
@@ -97,15 +108,21 @@ def make_schedule(
             rng.shuffle(kinds)
         kind = kinds.pop(0)
         params: dict[str, Any]
-        if kind in (KILL, STOP):
+        if kind in REPLICA_KINDS:
             if not phases:
                 phases = list(PHASES)
                 rng.shuffle(phases)
             params = {"replica": rng.randrange(replicas), "phase": phases.pop(0)}
             if kind == KILL:
                 params["restart_delay_s"] = round(rng.uniform(*KILL_RESTART_DELAY_S), 1)
-            else:
+            elif kind == STOP:
                 params["hold_s"] = round(rng.uniform(*STOP_HOLD_S), 1)
+            else:
+                if not modes:
+                    modes = list(NET_MODES)
+                    rng.shuffle(modes)
+                params["mode"] = modes.pop(0)
+                params["hold_s"] = round(rng.uniform(*NET_HOLD_S), 1)
         elif kind == GATEWAY:
             params = {"signal": rng.choice(("SIGTERM", "SIGKILL")), "phase": "step_end"}
         elif kind == STALL:

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout_testbed.local.netns import Netns
 from rollout_testbed.local.vllm_env import VllmNotInstalledError, check_vllm_python, package_root
 
 STATE_VERSION = 1
@@ -472,11 +473,13 @@ def start_replicas(
     served_model_name: str = SERVED_MODEL_NAME,
     extra_args: Sequence[str] = (),
     pin_cores: bool = True,
+    netns: Sequence[Netns] = (),
 ) -> ReplicaSet:
     """Start ``n`` replicas, wait for /health 200, warm them up, write the state file.
 
     ``ports`` overrides ``base_port`` (replica i gets ``ports[i]``); see
-    ``rollout_testbed.procs.free_ports``.
+    ``rollout_testbed.procs.free_ports``. ``netns``: replica i runs inside ``netns[i]``
+    and listens on its address instead of ``host`` (``rollout_testbed.local.netns``).
     On any failure every replica started so far is stopped before the error propagates.
     Raises VllmNotInstalledError (vLLM missing) or ReplicaError.
     """
@@ -495,7 +498,9 @@ def start_replicas(
     port_list = list(ports) if ports is not None else list(range(base_port, base_port + n))
     if len(port_list) != n or len(set(port_list)) != n:
         raise ReplicaError(f"need {n} distinct ports, got {port_list}")
-    busy = [p for p in port_list if port_in_use(host, p)]
+    if netns and len(netns) != n:
+        raise ReplicaError(f"need {n} namespaces, got {len(netns)}")
+    busy = [] if netns else [p for p in port_list if port_in_use(host, p)]
     if busy:
         raise ReplicaError(f"port(s) already in use on {host}: {busy}")
 
@@ -529,24 +534,27 @@ def start_replicas(
     try:
         for i in range(n):
             port = port_list[i]
+            rhost = netns[i].ns_ip if netns else host
             core = i % ncpu
             tmpdir = _private_tmpdir(rdir, i, run_id)
             cache_dir = cache_root / f"r{i}"
             env = _replica_env(kind, run_id, core=core, tmpdir=tmpdir, cache_dir=cache_dir)
             if sim:
                 cmd = sim_command(
-                    python, port=port, host=host, max_loras=max_loras,
+                    python, port=port, host=rhost, max_loras=max_loras,
                     served_model_name=served_model_name,
                 )  # fmt: skip
             else:
                 assert mdir is not None
                 cmd = vllm_command(
-                    python, str(mdir), port=port, host=host, max_loras=max_loras,
+                    python, str(mdir), port=port, host=rhost, max_loras=max_loras,
                     max_cpu_loras=max_loras + 2, served_model_name=served_model_name,
                     extra_args=extra_args,
                 )  # fmt: skip
                 if taskset:
                     cmd = [taskset, "-c", str(core), *cmd]
+            if netns:
+                cmd = [*netns[i].prefix(), *cmd]
             log_path = rdir / f"replica-{i}.log"
             with open(log_path, "ab") as logf:
                 proc = subprocess.Popen(
@@ -564,7 +572,7 @@ def start_replicas(
                 Replica(
                     index=i,
                     port=port,
-                    url=f"http://{host}:{port}",
+                    url=f"http://{rhost}:{port}",
                     pid=proc.pid,
                     pgid=proc.pid,  # start_new_session: the child leads its own group
                     core=core if (taskset and not sim) else None,

