@@ -9,7 +9,8 @@
 * ``uvicorn_private``  every private uvicorn name the server uses, and nothing else
                 (the canary: ``tests/http/server/test_uvicorn_internals.py``).
 
-Imports go down that list's reverse: ``uvicorn_private`` and ``disconnect`` import no other
-module here, ``serving`` is the top. Nothing here knows the replicas' side
-(``gateway.http.upstream``); ``gateway.http.relay`` joins the two.
+No import cycle: ``uvicorn_private`` and ``disconnect`` import nothing else from here,
+``inbound`` and ``exchange`` build on them, ``h1server`` on ``exchange``, and ``serving``
+on all of them. Nothing here knows the replicas' side (``gateway.http.upstream``);
+``gateway.http.relay`` joins the two.
 """
