@@ -31,7 +31,7 @@ from gateway.fleet.discovery import Discovery
 from gateway.fleet.preflight import check_replica, exposure_warning, replica_warning, source
 from gateway.fleet.replicas import ReplicaPool
 from gateway.fleet.shared import SharedState
-from gateway.http.disconnect import ClientDisconnected
+from gateway.http.server.disconnect import ClientDisconnected
 from gateway.http.upstream import Upstream, make_session, upstream_tls
 from gateway.metrics import Metrics
 from gateway.routing.config import RoutingConfig

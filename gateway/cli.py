@@ -199,7 +199,7 @@ def _workers(text: str) -> int | str:
 def serve(argv: Sequence[str]) -> int:
     from gateway.app import create_app
     from gateway.config import load_settings
-    from gateway.http import serving
+    from gateway.http.server import serving
     from gateway.logs import configure_logging
 
     args: dict[str, Any] = vars(_serve_parser().parse_args(argv))

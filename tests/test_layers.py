@@ -25,8 +25,8 @@ ROOT = Path(gateway.__file__).parent
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "pure cores and settings: no I/O, no event loop; deterministic, unit-tested",
-        ("gateway", "adapters", "fleet", "http", "routing", "runs", "workers",  # faces
-         "errors", "logs", "config", "routing.*", "adapters.naming",
+        ("gateway", "adapters", "fleet", "http", "http.server", "routing", "runs",  # faces
+         "workers", "errors", "logs", "config", "routing.*", "adapters.naming",
          "adapters.state", "adapters.placement", "adapters.checks", "fleet.quorum",
          "fleet.outliers", "fleet.retry_budget", "fleet.admission", "fleet.aborts",
          "fleet.replicas", "fleet.discovery", "runs.table", "runs.scope", "runs.usage",

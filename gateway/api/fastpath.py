@@ -16,11 +16,11 @@ from gateway.api.requests import check_body_size, check_headers, read_body
 from gateway.api.responses import error_response
 from gateway.api.rollout import admit, dispatch, plan_rollout
 from gateway.errors import GatewayError
-from gateway.http.disconnect import ClientDisconnected
-from gateway.http.exchange import AsgiExchange, Exchange
-from gateway.http.h1server import ROUTED_PATHS
-from gateway.http.inbound import Inbound
 from gateway.http.relay import RelayResponse
+from gateway.http.server.disconnect import ClientDisconnected
+from gateway.http.server.exchange import AsgiExchange, Exchange
+from gateway.http.server.h1server import ROUTED_PATHS
+from gateway.http.server.inbound import Inbound
 from gateway.metrics import RouteKind
 
 if TYPE_CHECKING:

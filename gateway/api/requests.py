@@ -18,8 +18,8 @@ from gateway.errors import (
     HeadersTooLarge,
     PayloadTooLarge,
 )
-from gateway.http.disconnect import ClientDisconnected
-from gateway.http.inbound import Inbound
+from gateway.http.server.disconnect import ClientDisconnected
+from gateway.http.server.inbound import Inbound
 from gateway.logs import REQUEST_ID
 
 if TYPE_CHECKING:

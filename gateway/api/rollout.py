@@ -34,8 +34,8 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.fleet.admission import Refusal
-from gateway.http.inbound import Inbound
 from gateway.http.relay import BodyResponse, RelayResponse
+from gateway.http.server.inbound import Inbound
 from gateway.http.upstream import (
     ReplicaConnectError,
     UpstreamResponse,

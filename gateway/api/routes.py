@@ -14,7 +14,7 @@ from gateway.api.fanin import health, models, server_info
 from gateway.api.responses import gateway_of, json_response
 from gateway.api.rollout import forwarded
 from gateway.errors import MethodNotAllowed
-from gateway.http.h1server import ROUTED_PATHS
+from gateway.http.server.h1server import ROUTED_PATHS
 from gateway.metrics import CONTENT_TYPE
 
 _ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")

@@ -16,16 +16,29 @@ routed response is also a health observation:
   upstream outage -- is reported to the client instead of emptying the pool.
 
 Sans-I/O: the caller passes ``now`` (monotonic seconds) and acts on the returned events.
+Where the breakers live is the constructor's ``store``: this process's memory
+(``LocalBreakers``), or cells every worker of ``--workers N`` maps
+(``gateway.fleet.shared``), so one set of decisions serves both.
 Broadcasts (adapter loads, pause/resume) still reach an open replica: it is alive, and it
 must stay in sync for when it comes back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
+from typing import Protocol
 
-__all__ = ["Breaker", "BreakerState", "OutlierDetector", "OutlierEvent", "is_failure"]
+__all__ = [
+    "Breaker",
+    "BreakerState",
+    "BreakerStore",
+    "LocalBreakers",
+    "OutlierDetector",
+    "OutlierEvent",
+    "is_failure",
+]
 
 
 class BreakerState(IntEnum):
@@ -56,6 +69,54 @@ class Breaker:
     trial_in_flight: bool = False
 
 
+class BreakerStore(Protocol):
+    """Where an ``OutlierDetector`` keeps its breakers, and how many are not CLOSED.
+
+    Why a seam: the decisions are the same whether one process or N workers judge the
+    replicas; only the storage differs. A store hands out ``Breaker`` objects whose fields
+    the detector reads and writes; ``open`` lets the common all-closed case cost one
+    comparison."""
+
+    open: int
+
+    def get(self, index: int) -> Breaker | None:
+        """``index``'s breaker, or None if it has none (it is then closed)."""
+
+    def create(self, index: int) -> Breaker:
+        """``index``'s breaker, a closed one made if it had none."""
+
+    def pop(self, index: int) -> Breaker | None:
+        """Drop ``index``'s breaker (it starts afresh); what it was, if it had one."""
+
+    def items(self) -> Iterable[tuple[int, Breaker]]:
+        """Every breaker, by replica index."""
+
+
+class LocalBreakers:
+    """Breakers in this process's memory, made on first use."""
+
+    __slots__ = ("_breakers", "open")
+
+    def __init__(self) -> None:
+        self._breakers: dict[int, Breaker] = {}
+        self.open = 0
+
+    def get(self, index: int) -> Breaker | None:
+        return self._breakers.get(index)
+
+    def create(self, index: int) -> Breaker:
+        found = self._breakers.get(index)
+        if found is None:
+            found = self._breakers[index] = Breaker()
+        return found
+
+    def pop(self, index: int) -> Breaker | None:
+        return self._breakers.pop(index, None)
+
+    def items(self) -> Iterable[tuple[int, Breaker]]:
+        return self._breakers.items()
+
+
 class OutlierDetector:
     def __init__(
         self,
@@ -64,29 +125,26 @@ class OutlierDetector:
         base_ejection_s: float = 10.0,
         max_ejection_s: float = 300.0,
         max_ejected_fraction: float = 0.5,
+        store: BreakerStore | None = None,
     ) -> None:
         self.consecutive_errors = consecutive_errors
         """0 disables detection."""
         self.base_ejection_s = base_ejection_s
         self.max_ejection_s = max_ejection_s
         self.max_ejected_fraction = max_ejected_fraction
-        self._breakers: dict[int, Breaker] = {}
-        self._open = 0  # breakers not CLOSED: the common all-closed case is one comparison
+        self.store: BreakerStore = LocalBreakers() if store is None else store
 
     def breaker(self, index: int) -> Breaker:
-        found = self._breakers.get(index)
-        if found is None:
-            found = self._breakers[index] = Breaker()
-        return found
+        return self.store.create(index)
 
     def routable(self, indices: list[int], now: float) -> list[int]:
         """The replicas of ``indices`` that may take a routed request now."""
-        if not self._open:
+        if not self.store.open:
             return indices
         return [i for i in indices if self._allows(i, now)]
 
     def _allows(self, index: int, now: float) -> bool:
-        b = self._breakers.get(index)
+        b = self.store.get(index)
         if b is None or b.state is BreakerState.CLOSED:
             return True
         if b.state is BreakerState.OPEN:
@@ -98,8 +156,8 @@ class OutlierDetector:
     def dispatched(self, index: int) -> bool:
         """A request is going to ``index``; in half-open state it is the one trial.
         False: the trial is taken (by another process: ``shared``); pick again."""
-        if self._open:
-            b = self._breakers.get(index)
+        if self.store.open:
+            b = self.store.get(index)
             if b is not None and b.state is BreakerState.HALF_OPEN:
                 b.trial_in_flight = True
         return True
@@ -107,8 +165,8 @@ class OutlierDetector:
     def abandoned(self, index: int) -> None:
         """The request to ``index`` ended without a status (client gone, connect error):
         free the trial slot without judging the replica."""
-        if self._open:
-            b = self._breakers.get(index)
+        if self.store.open:
+            b = self.store.get(index)
             if b is not None:
                 b.trial_in_flight = False
 
@@ -122,7 +180,7 @@ class OutlierDetector:
             if b.state is not BreakerState.HALF_OPEN:
                 return None  # an answer to a request sent before the ejection proves little
             b.state, b.ejections, b.trial_in_flight = BreakerState.CLOSED, 0, False
-            self._open -= 1
+            self.store.open -= 1
             return OutlierEvent.RESTORED
         b.consecutive_errors += 1
         if b.state is BreakerState.HALF_OPEN:  # the trial failed: open again, longer
@@ -130,9 +188,9 @@ class OutlierDetector:
             self._open_breaker(b, now)
             return OutlierEvent.EJECTED
         if b.state is BreakerState.CLOSED and b.consecutive_errors >= self.consecutive_errors:
-            if self._open + 1 > int(members * self.max_ejected_fraction):
+            if self.store.open + 1 > int(members * self.max_ejected_fraction):
                 return None  # would eject too much of the fleet: let the errors through
-            self._open += 1
+            self.store.open += 1
             self._open_breaker(b, now)
             return OutlierEvent.EJECTED
         return None
@@ -144,9 +202,9 @@ class OutlierDetector:
 
     def forget(self, index: int) -> None:
         """The replica left the pool or restarted: judge it afresh."""
-        b = self._breakers.pop(index, None)
+        b = self.store.pop(index)
         if b is not None and b.state is not BreakerState.CLOSED:
-            self._open -= 1
+            self.store.open -= 1
 
     def states(self) -> dict[int, BreakerState]:
-        return {i: b.state for i, b in self._breakers.items()}
+        return {i: b.state for i, b in self.store.items()}

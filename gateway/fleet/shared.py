@@ -25,29 +25,52 @@ next replicas take its share on top of theirs. The fleet herded from replica to 
 with ``--workers 8`` over 4 saturating fakes, 33k req/s and p99 17 ms under prefix
 routing against 52k and 7 ms under ``--router round_robin`` on the same plumbing.
 
-Plain cell writes need no lock (a lost update of
-an error count is harmless); every state change and the claim of a half-open trial take
-the one process-shared lock, so two workers never both send the trial or both count one
-breaker as closed.
+Plain cell writes need no lock (a lost update of an error count is harmless); every state
+change and the claim of a half-open trial take the one process-shared lock, so two workers
+never both send the trial or both count one breaker as closed. The breakers' and the
+budget's decisions are the one-process classes' own (``OutlierDetector``, ``RetryBudget``),
+given this table as their storage (their ``store`` and ``buckets``): the shared classes
+only add the lock around those public calls, so there is one copy of each rule.
+
+The lock is a POSIX record lock (``fcntl``) on a memfd, not a semaphore. Why: the kernel
+drops a record lock when the process holding it exits, however it died; a semaphore held
+by a killed worker stays taken for ever. The semaphore this replaced was therefore waited
+on for at most 50 ms, after which the caller carried on *without* it, which broke the
+guarantees above whenever a live holder was merely preempted for 50 ms (two trials at
+once, an ejection over the cap, two writers of the fleet-load table). With a lock that
+cannot outlive its holder, every caller waits for it, and only ever waits on a live
+process holding it for a few microseconds of arithmetic on these cells (never across I/O
+or an ``await``). A worker killed mid-change can leave that change half done, as it could
+before; where that would stick, the next one mends it (a trial whose process is gone is no
+longer in flight, ``_sum`` mends an odd sequence). A holder that is stopped, not dead
+(``SIGSTOP``, a debugger), holds up the others: that is the lock doing its job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import mmap
-import multiprocessing
 import os
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, MutableSequence, Sequence
 from typing import Any, Generic, TypeVar
 
-from gateway.fleet.outliers import Breaker, BreakerState, OutlierDetector
+from gateway.fleet.outliers import Breaker, BreakerState, OutlierDetector, OutlierEvent
 from gateway.fleet.retry_budget import RetryBudget
 
-__all__ = ["SharedOutlierDetector", "SharedRetryBudget", "SharedState"]
+__all__ = [
+    "SharedBreakers",
+    "SharedBuckets",
+    "SharedOutlierDetector",
+    "SharedRetryBudget",
+    "SharedState",
+]
 
 _FIELDS = 5  # state, consecutive_errors, ejections, reopen_at, trial's process
-_LOCK_WAIT_S = 0.05
 FLEET_LOADS_S = 0.002
 """How old the fleet-load table may get before a worker sums it again (module docstring)."""
 _T = TypeVar("_T")
@@ -68,19 +91,17 @@ class SharedState:
         self.summed_at = self.fleet_at + 1 + replicas  # time.monotonic() of the last sum
         self._map = mmap.mmap(-1, 8 * (self.summed_at + 1))
         self.cells: Any = memoryview(self._map).cast("d")  # float64 cells
-        self._lock = multiprocessing.get_context("fork").Lock()
+        self._lock = _ProcessLock()
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """The lock, held for microseconds by whoever has it. A worker killed while
-        holding it would hold it forever: past ``_LOCK_WAIT_S`` the caller goes on
-        without it (a rare miscount beats a gateway stuck on a dead process's lock)."""
-        got = self._lock.acquire(timeout=_LOCK_WAIT_S)
+        """The lock, held for microseconds by whoever has it; waited for as long as that
+        takes, since it cannot outlive its holder (module docstring)."""
+        self._lock.acquire()
         try:
             yield
         finally:
-            if got:
-                self._lock.release()
+            self._lock.release()
 
     def publish_loads(self, worker: int, loads: Sequence[int]) -> None:
         """``worker``'s requests in flight per replica (its row, written by it alone)."""
@@ -91,15 +112,11 @@ class SharedState:
     def publish_fleet_loads(self, now: float | None = None) -> None:
         """The owner, every 50 ms: sum the workers' rows into one table, under a sequence
         number (odd while writing), so every worker routes by the same one. Workers sum it
-        too (``publish_fleet_loads_due``): the lock keeps one writer at a time. A lock not
-        had in ``_LOCK_WAIT_S`` is a dead worker's: the owner writes anyway (``_sum``
-        mends the odd sequence such a worker may have left), so the table never freezes."""
-        got = self._lock.acquire(timeout=_LOCK_WAIT_S)
-        try:
+        too (``publish_fleet_loads_due``): the lock keeps one writer at a time. A worker
+        that died mid-sum released the lock as it died, and ``_sum`` mends the odd
+        sequence it left, so the table never freezes."""
+        with self.locked():
             self._sum(time.monotonic() if now is None else now)
-        finally:
-            if got:
-                self._lock.release()
 
     def publish_fleet_loads_due(self, period_s: float, now: float | None = None) -> bool:
         """``publish_fleet_loads`` if the table is ``period_s`` old, by whichever worker
@@ -109,7 +126,7 @@ class SharedState:
         now = time.monotonic() if now is None else now
         if now - self.cells[self.summed_at] < period_s:
             return False
-        if not self._lock.acquire(block=False):
+        if not self._lock.acquire(blocking=False):
             return False
         try:
             if now - self.cells[self.summed_at] < period_s:  # another worker just did
@@ -120,7 +137,7 @@ class SharedState:
         return True
 
     def _sum(self, now: float) -> None:
-        """The table from the rows (lock held, or its holder dead)."""
+        """The table from the rows (lock held)."""
         at, n, seq, cells = self.loads_at, self.replicas, self.fleet_at, self.cells
         writing = cells[seq] + (2.0 if int(cells[seq]) % 2 else 1.0)  # odd, whatever was left
         cells[seq] = writing
@@ -140,6 +157,41 @@ class SharedState:
             return seen, None
         table = {i: int(self.cells[seq + 1 + i]) for i in range(self.replicas)}
         return (first, table) if self.cells[seq] == first else (seen, None)
+
+
+class _ProcessLock:
+    """One lock for every process that inherited it and every thread in them: a POSIX
+    record lock on a memfd (between processes; the kernel releases it when its holder
+    exits) behind a ``threading.Lock`` (between threads of one process, which a record
+    lock does not separate). Not reentrant: a second acquire by the holding thread raises
+    instead of deadlocking, or, worse, silently sharing (a record lock is the process's).
+    Fork only from a process not holding it (the supervisor never takes it)."""
+
+    def __init__(self) -> None:
+        self._fd = os.memfd_create("gateway-shared-lock")  # inherited by fork, no file
+        weakref.finalize(self, os.close, self._fd)
+        self._threads = threading.Lock()
+        self._holder: int | None = None  # the holding thread, to refuse re-entry
+
+    def acquire(self, *, blocking: bool = True) -> bool:
+        if self._holder == threading.get_ident():
+            raise RuntimeError("the shared fleet lock is not reentrant")
+        if not self._threads.acquire(blocking):
+            return False
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException as exc:
+            self._threads.release()
+            if isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.EACCES):
+                return False  # another process holds it (non-blocking only)
+            raise
+        self._holder = threading.get_ident()
+        return True
+
+    def release(self) -> None:
+        self._holder = None
+        fcntl.lockf(self._fd, fcntl.LOCK_UN)
+        self._threads.release()
 
 
 class _Cell(Generic[_T]):
@@ -196,45 +248,71 @@ class _SharedBreaker(Breaker):
         self.base = 1 + _FIELDS * index
 
 
-class SharedOutlierDetector(OutlierDetector):
-    """``OutlierDetector`` over a ``SharedState`` table: the same decisions, taken
-    once for the whole gateway. Replica indices are fixed (no discovery with workers)."""
+class SharedBreakers:
+    """An ``OutlierDetector``'s ``BreakerStore`` in the shared table: a breaker for each of
+    the fixed replica indices (no discovery with workers), closed until judged, and the
+    count of those not closed in cell 0. Nothing here resets a cell when it is made: a
+    restarted worker finds the fleet's breakers as the others left them."""
 
-    def __init__(self, table: SharedState, **limits: Any) -> None:
-        self._table = table
-        opened = table.cells[0]
-        super().__init__(**limits)
-        table.cells[0] = opened  # the base resets the count; a restarted worker must not
-        self._breakers = {i: _SharedBreaker(table.cells, i) for i in range(table.replicas)}
+    def __init__(self, table: SharedState) -> None:
+        self._cells = table.cells
+        self._breakers = [_SharedBreaker(table.cells, i) for i in range(table.replicas)]
 
     @property
-    def _open(self) -> int:
-        return int(self._table.cells[0])
+    def open(self) -> int:
+        return int(self._cells[0])
 
-    @_open.setter
-    def _open(self, value: int) -> None:
-        self._table.cells[0] = float(value)
+    @open.setter
+    def open(self, value: int) -> None:
+        self._cells[0] = float(value)
 
-    def breaker(self, index: int) -> Breaker:
+    def get(self, index: int) -> Breaker | None:
+        return self._breakers[index] if 0 <= index < len(self._breakers) else None
+
+    def create(self, index: int) -> Breaker:
         return self._breakers[index]
 
-    def _allows(self, index: int, now: float) -> bool:
-        with self._table.locked():  # only reached while some breaker is not closed
-            return super()._allows(index, now)
+    def pop(self, index: int) -> Breaker | None:
+        """What the breaker was (a copy), its cells back to a closed breaker's."""
+        b = self._breakers[index]
+        was = Breaker(b.state, b.consecutive_errors, b.ejections, b.reopen_at, b.trial_in_flight)
+        b.state, b.consecutive_errors, b.ejections = BreakerState.CLOSED, 0, 0
+        b.reopen_at, b.trial_in_flight = 0.0, False
+        return was
+
+    def items(self) -> Iterable[tuple[int, Breaker]]:
+        return enumerate(self._breakers)
+
+
+class SharedOutlierDetector(OutlierDetector):
+    """``OutlierDetector`` over a ``SharedState`` table: the same decisions, taken once
+    for the whole gateway. Every call that may change a breaker runs the base's under the
+    lock; the calls of the common case (every breaker closed, a good answer from a closed
+    one) read the cells without it."""
+
+    def __init__(self, table: SharedState, **limits: Any) -> None:
+        super().__init__(**limits, store=SharedBreakers(table))
+        self._table = table
+
+    def routable(self, indices: list[int], now: float) -> list[int]:
+        if not self.store.open:
+            return indices
+        with self._table.locked():  # a breaker may turn half-open here
+            return super().routable(indices, now)
 
     def dispatched(self, index: int) -> bool:
-        if not self._open:
+        """As the base, but False when another worker claimed the half-open trial since
+        this one's ``routable``: one trial at a time fleet-wide."""
+        if not self.store.open:
             return True
         with self._table.locked():
-            b = self._breakers[index]
-            if b.state is BreakerState.HALF_OPEN:
-                if b.trial_in_flight:
-                    return False  # another worker's trial is on its way
-                b.trial_in_flight = True
-            return True
+            b = self.store.get(index)
+            if b is not None and b.state is BreakerState.HALF_OPEN and b.trial_in_flight:
+                return False
+            return super().dispatched(index)
 
-    def record(self, index: int, status: int, now: float, members: int) -> Any:
-        b = self._breakers[index]
+    def record(self, index: int, status: int, now: float, members: int) -> OutlierEvent | None:
+        b = self.breaker(index)
         if not b.consecutive_errors and b.state is BreakerState.CLOSED and status < 429:
             return None  # the common case, lock-free: a good answer from a closed breaker
         with self._table.locked():
@@ -246,43 +324,51 @@ class SharedOutlierDetector(OutlierDetector):
 
     def forget(self, index: int) -> None:
         with self._table.locked():
-            b = self._breakers[index]
-            if b.state is not BreakerState.CLOSED:
-                self._open -= 1
-            b.state, b.consecutive_errors, b.ejections = BreakerState.CLOSED, 0, 0
-            b.reopen_at, b.trial_in_flight = 0.0, False
+            super().forget(index)
 
 
-class SharedRetryBudget(RetryBudget):
-    """``RetryBudget`` whose buckets are shared cells: one budget for all workers. Moving
-    the window and spending a retry take the lock (once a second, and rarely); counting a
-    request does not (an update lost to a race miscounts one request)."""
+class SharedBuckets:
+    """A ``RetryBudget``'s ``BucketStore`` in the shared table: the newest second, then the
+    requests and the retries of each second of the window. Nothing here resets a cell: a
+    restarted worker does not refill the budget."""
 
-    def __init__(self, table: SharedState, *, ratio: float, min_per_s: float) -> None:
-        super().__init__(ratio=ratio, min_per_s=min_per_s, window_s=table.window_s)
+    def __init__(self, table: SharedState) -> None:
         at, n = table.budget_at, table.window_s
         self._cells = table.cells
         self._at = at
-        self._requests = table.cells[at + 1 : at + 1 + n]
-        self._retries = table.cells[at + 1 + n : at + 1 + 2 * n]
-        self._table = table
-
-    def _advance(self, now: float) -> int:
-        if int(now) <= self._second:
-            return int(now) % self.window_s
-        with self._table.locked():
-            return super()._advance(now)
-
-    def try_retry(self, now: float) -> bool:
-        self._advance(now)  # first, so the base's own call below needs no lock (not reentrant)
-        with self._table.locked():
-            return super().try_retry(now)
+        self.requests: MutableSequence[int] = table.cells[at + 1 : at + 1 + n]
+        self.retries: MutableSequence[int] = table.cells[at + 1 + n : at + 1 + 2 * n]
 
     @property
-    def _second(self) -> int:
+    def second(self) -> int:
         return int(self._cells[self._at])
 
-    @_second.setter
-    def _second(self, value: int) -> None:
-        if hasattr(self, "_cells"):  # the base's __init__ sets it before the cells exist
-            self._cells[self._at] = float(value)
+    @second.setter
+    def second(self, value: int) -> None:
+        self._cells[self._at] = float(value)
+
+
+class SharedRetryBudget(RetryBudget):
+    """``RetryBudget`` whose buckets are shared cells: one budget for all workers. Spending
+    a retry, and counting a request that moves the window (once a second), run the base's
+    call under the lock; counting a request within the current second does not (an
+    update lost to a race miscounts one request)."""
+
+    def __init__(self, table: SharedState, *, ratio: float, min_per_s: float) -> None:
+        super().__init__(
+            ratio=ratio, min_per_s=min_per_s, window_s=table.window_s, buckets=SharedBuckets(table)
+        )
+        self._table = table
+
+    def record_request(self, now: float) -> None:
+        # The newest second only grows: if ``now`` is within it, the base will not move
+        # the window, whatever other workers do meanwhile.
+        if int(now) <= self.buckets.second:
+            super().record_request(now)
+            return
+        with self._table.locked():
+            super().record_request(now)
+
+    def try_retry(self, now: float) -> bool:
+        with self._table.locked():
+            return super().try_retry(now)

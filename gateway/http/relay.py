@@ -19,8 +19,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import UpstreamError
-from gateway.http.disconnect import ClientDisconnected, DisconnectGuard
-from gateway.http.exchange import AsgiExchange, Exchange
+from gateway.http.server.disconnect import ClientDisconnected, DisconnectGuard
+from gateway.http.server.exchange import AsgiExchange, Exchange
 
 if TYPE_CHECKING:
     from gateway.http.upstream import UpstreamResponse

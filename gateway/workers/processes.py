@@ -41,7 +41,7 @@ from gateway.api import FastPath
 from gateway.app import build_gateway, create_app
 from gateway.config import Settings
 from gateway.fleet.shared import SharedState
-from gateway.http.serving import listen_socket, serve
+from gateway.http.server.serving import listen_socket, serve
 from gateway.workers.owner import Hub, SyncBeforeAnswer
 from gateway.workers.worker import (
     FleetLoadsFeed,

@@ -17,8 +17,8 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from gateway.api import FastPath
-from gateway.http.h1server import lean_protocol
-from gateway.http.serving import listen_socket
+from gateway.http.server.h1server import lean_protocol
+from gateway.http.server.serving import listen_socket
 
 __all__ = ["serve_asgi"]
 

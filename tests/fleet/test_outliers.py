@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from gateway.fleet.outliers import BreakerState, OutlierDetector, OutlierEvent, is_failure
+from gateway.fleet.outliers import (
+    BreakerState,
+    LocalBreakers,
+    OutlierDetector,
+    OutlierEvent,
+    is_failure,
+)
 
 
 def detector(**kw: float) -> OutlierDetector:
@@ -103,3 +109,14 @@ def test_disabled_and_forget() -> None:
     d.forget(0)
     assert d.routable([0, 1], 1.0) == [0, 1]
     assert fail(d, 1, 3, 2.0)[-1] is OutlierEvent.EJECTED  # the share counter was released
+
+
+def test_the_breakers_live_in_the_store_it_is_given() -> None:
+    """The storage is the constructor's (``fleet.shared`` passes shared cells)."""
+    store = LocalBreakers()
+    d = OutlierDetector(consecutive_errors=1, store=store)
+    assert d.record(0, 500, 0.0, 4) is OutlierEvent.EJECTED
+    b = store.get(0)
+    assert store.open == 1 and b is not None and b.state is BreakerState.OPEN
+    d.forget(0)
+    assert store.open == 0 and store.get(0) is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.fleet.retry_budget import RetryBudget
+from gateway.fleet.retry_budget import Buckets, RetryBudget
 
 
 def spend(budget: RetryBudget, now: float, limit: int = 10_000) -> int:
@@ -50,3 +50,17 @@ def test_rejects_bad_parameters() -> None:
         RetryBudget(ratio=-1)
     with pytest.raises(ValueError):
         RetryBudget(window_s=0)
+
+
+def test_the_window_lives_in_the_buckets_it_is_given() -> None:
+    """The storage is the constructor's (``fleet.shared`` passes shared cells)."""
+    buckets = Buckets(3)
+    budget = RetryBudget(ratio=0.5, min_per_s=0.0, window_s=3, buckets=buckets)
+    for _ in range(4):
+        budget.record_request(7.0)
+    assert budget.try_retry(8.0)
+    assert (list(buckets.requests), list(buckets.retries), buckets.second) == (
+        [0, 4, 0], [0, 0, 1], 8
+    )  # fmt: skip
+    with pytest.raises(ValueError):
+        RetryBudget(window_s=10, buckets=Buckets(5))

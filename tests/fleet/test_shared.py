@@ -18,7 +18,12 @@ from hypothesis import strategies as st
 
 from gateway.fleet.outliers import BreakerState, OutlierDetector, OutlierEvent
 from gateway.fleet.retry_budget import RetryBudget
-from gateway.fleet.shared import SharedOutlierDetector, SharedRetryBudget, SharedState
+from gateway.fleet.shared import (
+    SharedBuckets,
+    SharedOutlierDetector,
+    SharedRetryBudget,
+    SharedState,
+)
 
 CTX = multiprocessing.get_context("fork")
 LIMITS: dict[str, Any] = {
@@ -330,36 +335,38 @@ def test_requests_in_one_process_earn_retries_in_another() -> None:
     assert spend(parent, 51.0) == 7  # 0.5 x 20, less the child's 3
 
 
-class _StaleRead(SharedRetryBudget):
-    """A budget whose next read of the window's newest second runs ``then`` (another
+class _StaleRead(SharedBuckets):
+    """Buckets whose next read of the window's newest second runs ``then`` (another
     process's calls) right after the read: the interleaving two workers get when one is
-    preempted inside ``_advance`` at a second boundary."""
+    preempted between reading the second, lock-free, and acting on it."""
 
     then: Callable[[], object] | None = None
 
     @property
-    def _second(self) -> int:
-        value = SharedRetryBudget._second.fget(self)  # type: ignore[attr-defined]
+    def second(self) -> int:
+        value = SharedBuckets.second.fget(self)  # type: ignore[attr-defined]
         if self.then is not None:
             then, self.then = self.then, None
             then()
         return int(value)
 
-    @_second.setter
-    def _second(self, value: int) -> None:
-        SharedRetryBudget._second.fset(self, value)  # type: ignore[attr-defined]
+    @second.setter
+    def second(self, value: int) -> None:
+        SharedBuckets.second.fset(self, value)  # type: ignore[attr-defined]
 
 
 def test_advancing_the_window_at_once_does_not_forget_retries() -> None:
     table = SharedState(replicas=1)  # window 10 s
     a = SharedRetryBudget(table, ratio=0.0, min_per_s=1.0)  # 10 per window
-    b = _StaleRead(table, ratio=0.0, min_per_s=1.0)
+    b = SharedRetryBudget(table, ratio=0.0, min_per_s=1.0)
+    stale = b.buckets = _StaleRead(table)
     assert spend(a, 100.0) == 10
     spent: list[int] = []
-    b.then = lambda: spent.append(spend(a, 110.0, limit=9))  # a advances and spends first
+    stale.then = lambda: spent.append(spend(a, 110.0, limit=9))  # a advances and spends first
+    b.record_request(110.0)  # b read 100 as the newest second: the window moves, it thinks
     spent.append(spend(b, 110.0))
     assert spent[0] == 9  # the 100 s bucket expired: room for 10, a takes 9 of them...
-    assert spent[1] == 1  # ...and b the one left
+    assert spent[1] == 1  # ...and b the one left (b's request did not clear a's retries)
 
 
 def test_a_restarted_worker_does_not_refill_the_budget() -> None:
@@ -525,17 +532,79 @@ def test_a_worker_sums_the_table_when_it_is_due_and_only_then() -> None:
     assert table.fleet_loads(newer)[1] == {0: 3, 1: 1}
 
 
-def test_a_worker_never_waits_for_the_lock_and_the_owner_outlives_a_dead_holder() -> None:
-    """A worker that finds the lock taken skips its sum (whoever holds it is summing). A
-    lock held past ``_LOCK_WAIT_S`` is a dead worker's: the owner writes anyway, and mends
-    the odd sequence such a worker may have left mid-sum, so the table never freezes."""
+def _hold_the_lock(table: SharedState, held: Connection, release: Connection) -> None:
+    """A worker in the middle of a sum: the lock taken, the sequence odd, until it is
+    told to finish (or killed there)."""
+    with table.locked():
+        table.cells[table.fleet_at] += 1.0
+        held.send(True)
+        release.poll(JOIN_S)
+        table.cells[table.fleet_at] += 1.0
+
+
+def _holder(table: SharedState) -> tuple[Any, Connection, Connection]:
+    held_r, held_w = CTX.Pipe(duplex=False)
+    release_r, release_w = CTX.Pipe(duplex=False)
+    proc = CTX.Process(target=_hold_the_lock, args=(table, held_w, release_r))
+    proc.start()
+    assert held_r.poll(JOIN_S) and held_r.recv() is True
+    return proc, held_r, release_w
+
+
+def test_a_worker_never_waits_for_the_lock_and_the_owner_waits_for_a_live_holder() -> None:
+    """A worker that finds the lock taken skips its sum (whoever holds it is summing).
+    The owner waits for the holder however long it holds it: it never writes the table
+    while another process is writing it (the lock this replaced gave up after 50 ms and
+    wrote anyway)."""
     table = SharedState(replicas=1, workers=1)
     seen, _ = table.fleet_loads(-1.0)
     table.publish_loads(0, [7])
-    with table.locked():  # a worker died holding it, mid-sum
-        table.cells[table.fleet_at] += 1.0  # odd: no worker adopts
+    proc, _, release = _holder(table)
+    try:
         assert not table.publish_fleet_loads_due(0.0, now=5.0)  # does not wait
-        assert table.fleet_loads(seen) == (seen, None)
-        table.publish_fleet_loads(now=5.0)  # the owner, after _LOCK_WAIT_S
+        answer_r, answer_w = CTX.Pipe(duplex=False)
+
+        def owner() -> None:
+            answer_w.send("asking")
+            table.publish_fleet_loads(now=5.0)
+            answer_w.send(table.cells[table.fleet_at])
+
+        waiter = CTX.Process(target=owner)
+        waiter.start()
+        assert answer_r.poll(JOIN_S) and answer_r.recv() == "asking"
+        assert not answer_r.poll(0.3)  # six times the old 50 ms: still waiting
+        assert table.fleet_loads(seen) == (seen, None)  # nobody wrote over the holder
+        release.send(True)
+        assert answer_r.poll(JOIN_S), "the owner never got the lock"
+        assert int(answer_r.recv()) % 2 == 0  # it summed after the holder finished
+        waiter.join(JOIN_S)
+    finally:
+        proc.join(JOIN_S)
+    assert table.fleet_loads(seen)[1] == {0: 7}
+
+
+def test_the_lock_dies_with_its_holder_and_the_owner_mends_the_table() -> None:
+    """A worker killed while holding the lock, mid-sum: the kernel releases the lock with
+    the process, so the owner's next sum goes ahead (no timeout), and mends the odd
+    sequence the worker left, so the table never freezes."""
+    table = SharedState(replicas=1, workers=1)
+    seen, _ = table.fleet_loads(-1.0)
+    table.publish_loads(0, [7])
+    proc, _, _ = _holder(table)
+    proc.kill()  # SIGKILL, with the lock held and the sequence odd
+    proc.join(JOIN_S)
+    assert int(table.cells[table.fleet_at]) % 2 == 1
+    assert table.fleet_loads(seen) == (seen, None)
+    in_child(lambda: table.publish_fleet_loads(now=5.0))  # bounded: in_child's join
     assert int(table.cells[table.fleet_at]) % 2 == 0
     assert table.fleet_loads(seen)[1] == {0: 7}
+    assert table.publish_fleet_loads_due(0.0, now=6.0)  # and the lock is free again
+
+
+def test_the_lock_is_not_reentrant() -> None:
+    """A second acquire by the holder would not block (a record lock is the process's)
+    and its release would free the first: it raises instead."""
+    table = SharedState(replicas=1)
+    with table.locked(), pytest.raises(RuntimeError, match="not reentrant"):
+        table.publish_fleet_loads_due(0.0, now=1.0)
+    assert table.publish_fleet_loads_due(0.0, now=1.0)  # released on the way out

@@ -38,7 +38,7 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
-from gateway.http.serving import listen_socket
+from gateway.http.server.serving import listen_socket
 from rollout_testbed.sim.app import create_sim_app
 from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.server import add_config_args, config_from_args

@@ -14,7 +14,7 @@ import argparse
 import uvicorn
 from starlette.types import ASGIApp
 
-from gateway.http.serving import listen_socket
+from gateway.http.server.serving import listen_socket
 from rollout_testbed.sim.app import create_sim_app
 from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.latency import LatencyModel

@@ -9,19 +9,19 @@ How: every connection starts here. While it sends well-formed ``POST /v1/complet
 ``POST /v1/chat/completions`` requests (HTTP/1.1, ``Content-Length`` framed, no ``Expect``,
 ``Upgrade`` or ``Transfer-Encoding``, no query string), each request is sliced from the
 buffer, validated by ``httptools`` (the same strict parser uvicorn uses), and handed to the
-gateway's handler as a ``gateway.http.exchange.LeanExchange``, with no ASGI scope. The
-first request that is anything else hands the connection, with every byte not yet
+gateway's handler as a ``gateway.http.server.exchange.LeanExchange``, with no ASGI scope.
+The first request that is anything else hands the connection, with every byte not yet
 consumed, to uvicorn's own protocol for the rest of its life, so admin calls, probes, odd
 framings and errors keep uvicorn's behaviour exactly; a rollout arriving there later
 reaches the same handler as an ``AsgiExchange``. One request at a time per connection:
 pipelined bytes wait in the buffer (reading pauses above a bound) until the response
 before them is complete.
 
-``tests/http/test_h1server_differential.py`` sends one corpus of raw requests (CL/TE variants,
-obs-fold, bare LF, big heads and bodies, HTTP/1.0, pipelining, half-close, ``Expect``) here
-and to plain uvicorn, and holds both to the same framing decision. One difference is kept:
-a well-formed request pipelined in front of a malformed one is answered before the 400
-(uvicorn writes its 400 at once, and the answer in flight is lost).
+``tests/http/server/test_h1server_differential.py`` sends one corpus of raw requests (CL/TE
+variants, obs-fold, bare LF, big heads and bodies, HTTP/1.0, pipelining, half-close,
+``Expect``) here and to plain uvicorn, and holds both to the same framing decision. One
+difference is kept: a well-formed request pipelined in front of a malformed one is answered
+before the 400 (uvicorn writes its 400 at once, and the answer in flight is lost).
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ import asyncio
 from typing import Any
 
 import httptools
-from uvicorn.config import Config
-from uvicorn.server import ServerState
 
-from gateway.http.exchange import Handler, LeanExchange
-from gateway.http.handoff import BoundedHttpToolsProtocol, refusal
+from gateway.http.server.exchange import Handler, LeanExchange
+from gateway.http.server.uvicorn_private import Config, ServerState, hand_off, refusal
 
 __all__ = ["ROUTED_PATHS", "LeanProtocol", "lean_protocol"]
 
@@ -269,28 +267,20 @@ class LeanProtocol(asyncio.Protocol):
             self.loop.call_soon(self._next)
 
     def _hand_off(self) -> None:
-        """From here on the connection is uvicorn's: the bytes not consumed yet are
-        replayed to its protocol as if they had just arrived."""
+        """From here on the connection is uvicorn's (``uvicorn_private.hand_off``): the
+        bytes not consumed yet are replayed to its protocol as if they had just arrived."""
         transport = self.transport
         assert transport is not None
         if self.idle_timer is not None:
             self.idle_timer.cancel()
             self.idle_timer = None
         self.server_state.connections.discard(self)
-        protocol = BoundedHttpToolsProtocol(
-            config=self.config,
-            server_state=self.server_state,
-            app_state=self.app_state,
-            _loop=self.loop,
-        )
         self.parser = None
-        transport.set_protocol(protocol)
-        protocol.connection_made(transport)
         if self.reading_paused:
             self.reading_paused = False
             transport.resume_reading()
         data, self.buf = bytes(self.buf), bytearray()
-        protocol.data_received(data)
+        hand_off(transport, self.config, self.server_state, self.app_state, self.loop, data)
 
     def _refuse_400(self) -> None:
         """uvicorn's answer to a request its parser refuses, byte for byte (its default

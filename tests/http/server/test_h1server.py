@@ -1,5 +1,5 @@
-"""``gateway.http.h1server`` over raw sockets in front of a real gateway and sim replicas: the
-lean rollout path, the hand-off to uvicorn, framing, keep-alive and refusals."""
+"""``gateway.http.server.h1server`` over raw sockets in front of a real gateway and sim
+replicas: the lean rollout path, the hand-off to uvicorn, framing, keep-alive and refusals."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import httptools
 import pytest
 from rollout_testbed.serve import serve_asgi
 
-from gateway.http import h1server, handoff
-from gateway.http.exchange import LeanExchange
-from gateway.http.h1server import lean_protocol
+from gateway.http.server import uvicorn_private
+from gateway.http.server.exchange import LeanExchange
+from gateway.http.server.h1server import lean_protocol
 from tests.cluster import Cluster, cluster
 from tests.eventually import eventually
 
@@ -80,12 +80,12 @@ def handoffs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts connections handed to uvicorn."""
     count: list[int] = []
 
-    class Counting(h1server.BoundedHttpToolsProtocol):
+    class Counting(uvicorn_private.BoundedHttpToolsProtocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             count.append(1)
             super().connection_made(transport)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(h1server, "BoundedHttpToolsProtocol", Counting)
+    monkeypatch.setattr(uvicorn_private, "BoundedHttpToolsProtocol", Counting)
     return count
 
 
@@ -202,7 +202,7 @@ async def _refused_head(reader: Reader, writer: asyncio.StreamWriter) -> Answer:
     """Send a head that never ends (2 MiB at most: the lingering close reads all of it)
     and return the answer, which must be the 431."""
     writer.write(b"GET /health HTTP/1.1\r\nhost: gw\r\nx-big: ")
-    for _ in range(2 * handoff._MAX_OPEN_HEAD // len(_CHUNK)):
+    for _ in range(2 * uvicorn_private._MAX_OPEN_HEAD // len(_CHUNK)):
         writer.write(_CHUNK)
         await writer.drain()
     [answer] = await reader.responses(1)
@@ -257,7 +257,7 @@ async def test_the_lingering_close_is_bounded_in_time(monkeypatch: pytest.Monkey
     client sends; ``_LINGER_S`` later it closes, and the client's bytes are refused."""
     # 3 s: the checks of the lingering phase must fit inside it, and the loop they share
     # with the gateway may stall (0.5 s left a 2-core CI box too little; 2 s must fit).
-    monkeypatch.setattr(handoff, "_LINGER_S", 3.0)
+    monkeypatch.setattr(uvicorn_private, "_LINGER_S", 3.0)
     async with cluster(1) as c, connection(c) as (reader, writer):
         loop = asyncio.get_running_loop()
         sent_at = loop.time()  # before the gateway saw the head, so before its timer
@@ -269,13 +269,13 @@ async def test_the_lingering_close_is_bounded_in_time(monkeypatch: pytest.Monkey
         # only makes it later); a close that never came fails the wait.
         await eventually(lambda: _refused_by_the_kernel(writer, 1, b"a"), "the lingering close",
                          interval=0.05)  # fmt: skip
-        assert loop.time() - sent_at >= handoff._LINGER_S
+        assert loop.time() - sent_at >= uvicorn_private._LINGER_S
 
 
 async def test_the_lingering_close_is_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that keeps sending after its 431 is cut off after ``_LINGER_BYTES`` more."""
-    monkeypatch.setattr(handoff, "_LINGER_S", 30.0)
-    monkeypatch.setattr(handoff, "_LINGER_BYTES", 256 << 10)
+    monkeypatch.setattr(uvicorn_private, "_LINGER_S", 30.0)
+    monkeypatch.setattr(uvicorn_private, "_LINGER_BYTES", 256 << 10)
     async with cluster(1) as c, connection(c) as (reader, writer):
         await _refused_head(reader, writer)
         async with asyncio.timeout(10):

@@ -1,4 +1,4 @@
-"""``gateway.http.exchange``: a rollout takes one code path whichever protocol read it.
+"""``gateway.http.server.exchange``: a rollout takes one code path whichever protocol read it.
 
 A connection whose first request is a probe is handed to uvicorn for the rest of its
 life; the rollouts that follow on it must be served by the same ``FastPath.serve`` as
@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from gateway.api.fastpath import FastPath
-from gateway.http.exchange import AsgiExchange, Exchange, LeanExchange
+from gateway.http.server.exchange import AsgiExchange, Exchange, LeanExchange
 from tests.cluster import cluster
-from tests.http.test_h1server import Answer, connection, post
+from tests.http.server.test_h1server import Answer, connection, post
 
 SIZED = json.dumps({"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 3}).encode()
 STREAMED = json.dumps(

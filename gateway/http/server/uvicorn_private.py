@@ -1,22 +1,78 @@
-"""The uvicorn protocol a connection is handed to (``gateway.http.h1server``), with the
-bounds uvicorn lacks before the end of a request head."""
+"""Every private uvicorn name the gateway's server relies on, and nothing else.
+
+Why one module: uvicorn's public API is ``uvicorn.Config``, ``uvicorn.Server`` and ASGI.
+The lean rollout protocol (``h1server``) needs more: uvicorn builds its protocol with
+``(config, server_state, app_state, _loop)`` and a ``ServerState``; odd connections are
+handed over, mid-stream, to uvicorn's ``HttpToolsProtocol``; responses are framed with its
+status lines and checked with its header validators, so both protocols answer alike; and
+``DrainingServer`` clears ``Server._captured_signals``. None of that is public. Kept here,
+an upgrade of uvicorn is checked against one file, and
+``tests/http/server/test_uvicorn_internals.py`` (the canary, with ``pyproject.toml``'s pin)
+fails if any name below changes, or if another gateway module imports one directly.
+
+What the rest of the server reads of these objects, besides what is defined here:
+``ServerState.connections``, ``.tasks`` and ``.default_headers``, and
+``Config.timeout_keep_alive`` (the canary checks those too).
+
+Also here, because it overrides ``HttpToolsProtocol``'s parser callbacks:
+``BoundedHttpToolsProtocol``, the bound uvicorn lacks on a request head that never ends.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+import uvicorn
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+)
 from uvicorn.server import ServerState
 
 from gateway.errors import HeadersTooLarge
 
-__all__ = ["BoundedHttpToolsProtocol", "refusal"]
+__all__ = [
+    "HEADER_RE",
+    "HEADER_VALUE_RE",
+    "STATUS_LINE",
+    "BoundedHttpToolsProtocol",
+    "Config",
+    "DrainingServer",
+    "ServerState",
+    "hand_off",
+    "refusal",
+]
 
 _MAX_OPEN_HEAD = 1 << 20  # bytes received while a handed-off head is unfinished: 431
 # After that 431: keep reading (and dropping) what the client still sends, for at most this
 # long and this much, so its kernel is not sent a reset that can destroy the answer.
 _LINGER_S = 2.0
 _LINGER_BYTES = 4 << 20
+
+
+def hand_off(
+    transport: asyncio.Transport,
+    config: Config,
+    server_state: ServerState,
+    app_state: dict[str, Any],
+    loop: asyncio.AbstractEventLoop,
+    data: bytes,
+) -> None:
+    """Give the connection on ``transport`` to uvicorn's protocol (bounded) for the rest of
+    its life: ``data``, the bytes not consumed yet, is replayed to it as if it had just
+    arrived."""
+    protocol = BoundedHttpToolsProtocol(
+        config=config, server_state=server_state, app_state=app_state, _loop=loop
+    )
+    transport.set_protocol(protocol)
+    protocol.connection_made(transport)
+    protocol.data_received(data)
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -95,3 +151,16 @@ def refusal(state: ServerState, status: int, ctype: bytes, body: bytes) -> bytes
         STATUS_LINE[status] + defaults + b"content-type: " + ctype + b"\r\ncontent-length: "
         b"%d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
     )
+
+
+class DrainingServer(uvicorn.Server):
+    """SIGTERM/SIGINT: stop accepting, drain in-flight requests for up to
+    ``shutdown_timeout_s``, then exit 0. (uvicorn re-raises the signal after its graceful
+    shutdown, so the process would die by it with status 143, which orchestrators read as
+    a crash.) Here because ``_captured_signals``, the list it clears, is private."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()

@@ -1,7 +1,7 @@
 """How a rollout handler reads one request and writes its response, whichever server
 protocol parsed it.
 
-Why: the gateway serves a rollout on one of two protocols. ``gateway.http.h1server`` reads
+Why: the gateway serves a rollout on one of two protocols. ``gateway.http.server.h1server`` reads
 most of them; a connection it handed to uvicorn (its first request was a probe, an admin
 call or an odd framing) is served by uvicorn's own protocol, as ASGI. Both are adapted
 to one ``Exchange``, so from "request parsed" to "response written" a rollout takes the
@@ -15,16 +15,13 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from starlette.types import Message, Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
-from gateway.http.disconnect import DisconnectGuard
-from gateway.http.inbound import Inbound
-
-if TYPE_CHECKING:
-    from uvicorn.server import ServerState
+from gateway.http.server.disconnect import DisconnectGuard
+from gateway.http.server.inbound import Inbound
+from gateway.http.server.uvicorn_private import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE, ServerState
 
 __all__ = ["AsgiExchange", "Connection", "Exchange", "Handler", "LeanExchange"]
 
@@ -33,7 +30,7 @@ log = logging.getLogger("gateway.server")
 
 class Connection(Protocol):
     """What a ``LeanExchange`` reads and writes of the connection that parsed its request
-    (``gateway.http.h1server.LeanProtocol``): the exchange sits below the server, which
+    (``gateway.http.server.h1server.LeanProtocol``): the exchange sits below the server, which
     creates it, so it names what it needs rather than importing the server."""
 
     raw_path: bytes
@@ -122,7 +119,7 @@ class AsgiExchange:
 
 
 class LeanExchange:
-    """One rollout on a ``gateway.http.h1server`` connection: the request already read
+    """One rollout on a ``gateway.http.server.h1server`` connection: the request already read
     (head and body), ``respond`` for a whole response in one write, ``start_chunked`` /
     ``write_chunk`` for a stream, and a minimal ASGI ``receive``/``send`` pair for the
     rest (a response sent while writing is paused)."""

@@ -1,7 +1,8 @@
-"""Differential test of the gateway's fast HTTP path (``gateway.http.h1server``) against plain
-uvicorn: one corpus of raw requests, over real 127.0.0.1 sockets, to the same gateway app
-served twice in front of one simulated replica -- once with ``lean_protocol`` (as
-``rollout-gateway serve`` runs it), once with uvicorn's own ``HttpToolsProtocol``.
+"""Differential test of the gateway's fast HTTP path (``gateway.http.server.h1server``)
+against plain uvicorn: one corpus of raw requests, over real 127.0.0.1 sockets, to the
+same gateway app served twice in front of one simulated replica -- once with
+``lean_protocol`` (as ``rollout-gateway serve`` runs it), once with uvicorn's own
+``HttpToolsProtocol``.
 
 Both must make the same framing decision: served identically (same statuses, headers and
 bodies, less what is per request: ``date``, ``x-request-id``, the completion's ``id`` and
@@ -38,7 +39,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.app import create_app
 from gateway.config import load_settings
-from gateway.http import h1server
+from gateway.http.server import uvicorn_private
 
 BODY = json.dumps({"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
 LINE = b"POST /v1/completions HTTP/1.1\r\n"
@@ -349,13 +350,13 @@ async def outcomes() -> AsyncIterator[dict[str, tuple[Outcome, Outcome, bool]]]:
     """Every case on both fronts (a few at a time): name -> (fast path, uvicorn, handed off)."""
     handed_off: set[int] = set()
 
-    class Counting(h1server.BoundedHttpToolsProtocol):
+    class Counting(uvicorn_private.BoundedHttpToolsProtocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             handed_off.add(transport.get_extra_info("peername")[1])
             super().connection_made(transport)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(h1server, "BoundedHttpToolsProtocol", Counting)
+        mp.setattr(uvicorn_private, "BoundedHttpToolsProtocol", Counting)
         async with running_sim() as sim:
             settings = load_settings({"replicas": [str(sim)]}, environ={})
             async with (

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.http.disconnect import ClientDisconnected, DisconnectGuard
+from gateway.http.server.disconnect import ClientDisconnected, DisconnectGuard
 
 
 def _current() -> asyncio.Task[Any]:

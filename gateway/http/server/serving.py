@@ -12,18 +12,17 @@ option from the listening socket, so setting it here fixes every connection.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 
-from gateway.http.exchange import Handler
-from gateway.http.h1server import lean_protocol
+from gateway.http.server.exchange import Handler
+from gateway.http.server.h1server import lean_protocol
+from gateway.http.server.uvicorn_private import DrainingServer
 
-__all__ = ["DrainingServer", "listen_socket", "serve"]
+__all__ = ["listen_socket", "serve"]
 
 
 def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
@@ -39,19 +38,6 @@ def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.s
     sock.bind((host, port))
     sock.set_inheritable(True)
     return sock
-
-
-class DrainingServer(uvicorn.Server):
-    """SIGTERM/SIGINT: stop accepting, drain in-flight requests for up to
-    ``shutdown_timeout_s``, then exit 0. (uvicorn re-raises the signal after its graceful
-    shutdown, so the process would die by it with status 143, which orchestrators read as
-    a crash.) ``_captured_signals`` is private: tests/http/test_uvicorn_internals.py checks it."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        with super().capture_signals():
-            yield
-            self._captured_signals.clear()
 
 
 def serve(app: Any, sock: socket.socket, *, lean: Handler | None, shutdown_timeout_s: int) -> bool:

@@ -27,7 +27,7 @@ class DisconnectGuard:
     is cancelled and the block raises ``ClientDisconnected`` instead.
 
     A plain context manager, not a wrapping coroutine: no frame in the await chain of
-    every rollout. On a connection served by ``gateway.http.h1server`` the server resolves
+    every rollout. On a connection served by ``gateway.http.server.h1server`` the server resolves
     ``lost`` when the connection goes: watching costs one callback. Otherwise a watcher
     task reads ASGI ``receive``; it is armed lazily, after ``_ARM_AFTER_S``: most rollouts
     finish sooner and then cost one timer instead of one task (a disconnect is still

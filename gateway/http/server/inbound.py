@@ -1,6 +1,6 @@
 """One client request as the dispatch path needs it, whichever server read it.
 
-Why: a rollout read by ``gateway.http.h1server`` never becomes an ASGI scope, a Starlette
+Why: a rollout read by ``gateway.http.server.h1server`` never becomes an ASGI scope, a Starlette
 ``Request`` or a ``Response``: building those, and the coroutine layers that pass them
 along, cost about a fifth of the gateway's CPU per rollout (``bench/cpu_per_request.py``,
 at ``d1567bc``; valgrind counts 4 %: ``bench/results/instructions.md`` at ``4e10f27``).
@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope
 
-from gateway.http.disconnect import DisconnectGuard
+from gateway.http.server.disconnect import DisconnectGuard
 
 __all__ = ["Inbound"]
 
