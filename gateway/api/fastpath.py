@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -137,7 +138,12 @@ class FastPath:
         except Exception:
             log.exception("unhandled error on POST %s", inbound.path)
             return self._refuse(GatewayError("Internal gateway error."), started), client, counted
-        except BaseException:
+        except BaseException as exc:
+            why = None  # the run's /pause?mode=abort cancelled it: answered, not dropped
+            if isinstance(exc, asyncio.CancelledError) and counted is not None:
+                why = counted.aborts.take(inbound.task)
+            if why is not None:
+                return self._refuse(why, started), client, counted
             gw.admission.leave(client)
             if counted is not None:
                 counted.leave(inbound.task)

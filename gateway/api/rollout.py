@@ -24,6 +24,7 @@ from gateway.api.requests import (
     session_key,
 )
 from gateway.errors import (
+    GatewayError,
     TooManyRequests,
     UpstreamError,
     UpstreamUnavailable,
@@ -152,11 +153,11 @@ async def dispatch(
                 gw.metrics.client_disconnects.inc()
             gw.metrics.record_request(kind, status, time.perf_counter() - started)
 
-        def was_ejected() -> bool:
+        def was_ejected() -> GatewayError | None:
             if gw.tasks.take(task):
                 gw.metrics.aborted.inc()
-                return True
-            return False
+                return UpstreamError("upstream replica failed mid-stream")
+            return None if scope is None else scope.aborts.take(task)
 
         unscope = None if scope is None else StreamUnscope(scope.run, status, scope.usage)
         return RelayResponse(upstream, out_headers, guard, on_close, was_ejected, unscope)
