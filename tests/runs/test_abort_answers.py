@@ -16,7 +16,8 @@ from tests.eventually import eventually
 from tests.runs.test_many_runs import COMPLETION, as_run, shared
 
 SLOW = SimConfig(latency=LatencyModel(decode=0.1))  # 100 tokens: 10 s
-LONG = {**COMPLETION, "model": "tiny-base", "max_tokens": 100}
+SHORT = {**COMPLETION, "model": "tiny-base"}
+LONG = {**SHORT, "max_tokens": 100}
 WHY = "Run 'run-a' was paused with mode=abort, which cancelled this rollout"
 
 
@@ -54,8 +55,7 @@ async def test_pause_abort_answers_running_and_held_rollouts(tmp_path: Path) -> 
         assert (await a.post("/pause", params={"mode": "keep"})).status_code == 200
         held = asyncio.ensure_future(a.post("/v1/completions", json=LONG))
         await eventually(lambda: tenant.in_flight == 3, "the third rollout held")
-        other = asyncio.ensure_future(b.post("/v1/completions", json={**COMPLETION,
-                                                                       "model": "tiny-base"}))  # fmt: skip
+        other = asyncio.ensure_future(b.post("/v1/completions", json=SHORT))
 
         pause = await a.post("/pause", params={"mode": "abort"})
         assert pause.status_code == 200  # returned once the run's rollouts were answered
@@ -70,8 +70,7 @@ async def test_pause_abort_answers_running_and_held_rollouts(tmp_path: Path) -> 
         await eventually(lambda: c.sim(0).running + c.sim(1).running == 0,
                          "the replicas' generations cancelled")  # fmt: skip
 
-        retry = asyncio.ensure_future(a.post("/v1/completions", json={**COMPLETION,
-                                                                       "model": "tiny-base"}))  # fmt: skip
+        retry = asyncio.ensure_future(a.post("/v1/completions", json=SHORT))
         await eventually(lambda: tenant.in_flight == 1, "the retry admitted")
         await asyncio.sleep(0.2)
         assert not retry.done()  # what TRL's retry meets: held until the run's /resume
@@ -92,5 +91,5 @@ async def test_an_aborted_rollout_leaves_its_connection_usable(tmp_path: Path) -
             tenant.hold("mode=abort")  # as a data-plane worker applies the owner's pause
             _is_abort_answer(await asyncio.wait_for(running, 5))
             tenant.resume()
-            r = await a.post("/v1/completions", json={**COMPLETION, "model": "tiny-base"})
+            r = await a.post("/v1/completions", json=SHORT)
             assert r.status_code == 200

@@ -16,7 +16,7 @@ from gateway.app import create_app
 from gateway.config import load_settings
 from tests.cluster import Cluster, sims
 from tests.eventually import eventually
-from tests.runs.test_many_runs import COMPLETION, as_run, run_specs, shared
+from tests.runs.test_many_runs import COMPLETION, as_run, shared
 
 READS_PATHS = SimConfig(check_lora_paths=True)  # "No adapter found" unless a directory
 
@@ -58,8 +58,8 @@ async def test_a_path_resolving_outside_the_runs_root_is_refused(tmp_path: Path)
             (tmp_path / "run-a" / ".." / "run-b" / "v1", "resolves outside"),
             (tmp_path / "run-a" / "loop" / "v1", "cannot be resolved"),
         ):
-            r = await a.post("/v1/load_lora_adapter",
-                             json={"lora_name": "trl-policy-v1", "lora_path": str(path)})  # fmt: skip
+            body = {"lora_name": "trl-policy-v1", "lora_path": str(path)}
+            r = await a.post("/v1/load_lora_adapter", json=body)
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert error["param"] == "lora_path" and why in error["message"], error
