@@ -31,7 +31,7 @@ from gateway.errors import (
 )
 from gateway.fleet.admission import Refusal
 from gateway.http.inbound import Inbound
-from gateway.http.relay import BodyResponse, RelayResponse
+from gateway.http.relay import BodyResponse, RelayResponse, broken_mid_stream
 from gateway.http.upstream import (
     ReplicaConnectError,
     UpstreamResponse,
@@ -156,7 +156,7 @@ async def dispatch(
         def was_ejected() -> GatewayError | None:
             if gw.tasks.take(task):
                 gw.metrics.aborted.inc()
-                return UpstreamError("upstream replica failed mid-stream")
+                return broken_mid_stream()
             return None if scope is None else scope.aborts.take(task)
 
         unscope = None if scope is None else StreamUnscope(scope.run, status, scope.usage)

@@ -25,7 +25,12 @@ from gateway.http.exchange import AsgiExchange, Exchange
 if TYPE_CHECKING:
     from gateway.http.upstream import UpstreamResponse
 
-__all__ = ["BodyResponse", "RelayResponse"]
+__all__ = ["BodyResponse", "RelayResponse", "broken_mid_stream"]
+
+
+def broken_mid_stream() -> UpstreamError:
+    """What a stream's client reads when its replica failed (or was ejected) mid-body."""
+    return UpstreamError("upstream replica failed mid-stream")
 
 
 class BodyResponse(Response):
@@ -100,7 +105,7 @@ class RelayResponse(Response):
             if (failure := self._ejected()) is None:
                 raise
         except (aiohttp.ClientError, ConnectionError, TimeoutError):
-            failure = UpstreamError("upstream replica failed mid-stream")
+            failure = broken_mid_stream()
         tail = b"" if self._transform is None else self._transform(b"", True)
         if not exchange.write_chunk(tail + self._error_event(failure), last=True):
             await exchange.drain()
