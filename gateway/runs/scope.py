@@ -13,7 +13,7 @@ its own adapters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -21,10 +21,24 @@ from gateway.errors import NotFound
 from gateway.runs.table import Run, owner_of
 from gateway.runs.usage import RunUsage, usage_tokens
 
-if TYPE_CHECKING:
-    from gateway.runs.tenancy import Tenant
+__all__ = [
+    "RunScope", "StreamUnscope", "own_listing", "scoped_model", "unknown_model", "unscope_body",
+]  # fmt: skip
 
-__all__ = ["StreamUnscope", "own_listing", "scoped_model", "unknown_model", "unscope_body"]
+
+class _Candidates(Protocol):
+    def candidates(self, model: str | None) -> frozenset[int] | None: ...
+
+
+class RunScope(Protocol):
+    """What ``scoped_model`` reads of a run (``gateway.runs.tenancy.Tenant`` is one):
+    named here so that this pure module does not import the run-time one."""
+
+    @property
+    def routes(self) -> _Candidates: ...
+
+    def scope_rollout(self, payload: dict[str, Any], body: bytes) -> bytes: ...
+
 
 _FIELD = b'"model":"'
 _EVENT_END = b"\n\n"
@@ -38,7 +52,7 @@ def unscope_body(run: Run, status: int, content: bytes) -> bytes:
 
 
 def scoped_model(
-    tenant: Tenant, payload: dict[str, Any], body: bytes
+    tenant: RunScope, payload: dict[str, Any], body: bytes
 ) -> tuple[str | None, frozenset[int] | None, bytes]:
     """What a request naming ``payload["model"]`` (a string or None) asks of its run's
     replicas: the name there, the replicas that may serve it (None: not an adapter, e.g. the
