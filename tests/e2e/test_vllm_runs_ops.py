@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 RUNS = ("team-a", "team-b")
 
 
-def test_a_shared_fleet_scopes_forwarded_paths_paths_and_aborts(
+def test_a_shared_fleet_scopes_forwarded_and_lora_paths_and_answers_aborts(
     vllm_gw: E2E, tmp_path: Path
 ) -> None:
     env = vllm_gw
