@@ -7,6 +7,7 @@ I/O so each rule is unit-tested on its own.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -56,26 +57,62 @@ def parse_models(content: bytes) -> tuple[list[ListedAdapter], list[str]]:
     return adapters, bases
 
 
-def check_path(path: str, roots: Sequence[Path]) -> None:
-    """Raise BadRequest unless ``path`` resolves (symlinks included) inside a root.
+def check_path(path: str, roots: Sequence[Path]) -> str:
+    """The ``lora_path`` to send to the replicas: ``path`` resolved (symlinks included)
+    below the root it lies in; BadRequest unless it lies inside one of ``roots``. No
+    roots: no check, ``path`` as given (the gateway may not even see the filesystem).
+
+    Why the resolved path is sent rather than the client's: a run that can write inside
+    its root could otherwise pass the check with a symlink into its root and then point it
+    elsewhere (another run's root, any folder the replicas can read) before a replica
+    reads it -- and a replica reads it later, maybe several times (mount-lag retries, a
+    replay on a restarted replica). The resolved path has no symlink below the root, so
+    swapping one cannot redirect the replica. The root itself is kept as configured (the
+    operator's path, the one the replicas mount; on the gateway's host it may be a
+    symlink to another mount point). What remains (the folder's contents, a component
+    that did not exist yet at the check) is in docs/many-runs.md, "Trust model between
+    runs".
 
     Blocking filesystem I/O: call it in a thread. Relative paths are refused, since the
     replica would resolve them against its own working directory, not ours.
     """
     if not roots:
-        return
+        return path
     candidate = Path(path)
     if not candidate.is_absolute():
         raise BadRequest("'lora_path' must be an absolute path.", param="lora_path")
     try:
         resolved = candidate.resolve(strict=False)
-    except (OSError, ValueError) as exc:  # a symlink loop, a name too long
+        for root in roots:
+            real_root = root.resolve(strict=False)
+            if resolved.is_relative_to(real_root):
+                _check_files(resolved, real_root)
+                return str(root.absolute() / resolved.relative_to(real_root))
+    except (OSError, ValueError, RuntimeError) as exc:  # a symlink loop, a name too long
         raise BadRequest(f"'lora_path' cannot be resolved ({exc.__class__.__name__}).",
                          param="lora_path") from None  # fmt: skip
-    if not any(resolved.is_relative_to(root.resolve(strict=False)) for root in roots):
-        raise BadRequest(
-            f"'lora_path' {path!r} is outside the allowed adapter roots.", param="lora_path"
-        )
+    raise BadRequest(
+        f"'lora_path' {path!r} resolves outside the allowed adapter roots.", param="lora_path"
+    )
+
+
+def _check_files(folder: Path, real_root: Path) -> None:
+    """BadRequest if a file of the adapter folder is a symlink resolving outside
+    ``real_root``: the replica would read another run's weights, or any file it can read,
+    as this run's adapter. Only the folder's own entries (what vLLM reads); a folder the
+    gateway cannot list yet (mount lag) is left to the replica. A check, not a guarantee:
+    the files can still change after it (docs/many-runs.md, "Trust model between runs")."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_symlink() and not Path(entry.path).resolve().is_relative_to(real_root):
+            raise BadRequest(
+                f"'lora_path' holds {entry.name!r}, a symlink that resolves outside the "
+                "allowed adapter roots.",
+                param="lora_path",
+            )
 
 
 def check_capacity(infos: Mapping[int, Mapping[str, Any]], max_staleness: int | None) -> list[str]:

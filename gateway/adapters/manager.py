@@ -150,8 +150,8 @@ class AdapterManager:
         inplace = body.get("load_inplace", False)
         if not isinstance(inplace, bool):
             raise BadRequest("'load_inplace' must be a boolean.", param="load_inplace")
-        if self._roots:
-            await asyncio.to_thread(check_path, path, self._roots)
+        if self._roots:  # the resolved path is what the replicas are sent from here on
+            path = await asyncio.to_thread(check_path, path, self._roots)
 
         core = self.core
         await self.executor.wait_until(

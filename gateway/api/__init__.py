@@ -10,7 +10,8 @@ path                                       kind        behaviour
 /health                                    FAN-IN      200 only when every replica is up
 /server_info, /v1/models                   FAN-IN      merged: DP=1, weakest lora_config,
                                                        adapters present everywhere
-anything else                              FORWARDED   one healthy replica (least loaded)
+anything else                              FORWARDED   one healthy replica (least loaded);
+                                                       a run: its homes, its names only
 /metrics, /gateway/status                  GATEWAY     the gateway's own
 =========================================  ==========  ==========================================
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -34,7 +35,7 @@ log = logging.getLogger("gateway.api")
 class FastPath:
     """Outer ASGI app: header limits for every request, and ``POST`` to a ROUTED path
     skips Starlette's router and middleware; ``serve`` is the one path of every rollout,
-    the ones ``gateway.http.h1server`` read (without ASGI at all) and the ones uvicorn
+    the ones ``gateway.http.server.h1server`` read (without ASGI at all) and the ones uvicorn
     read.
 
     Rollouts are the gateway's whole load; on 2 cores the proxy's CPU per request is its
@@ -69,8 +70,8 @@ class FastPath:
         await self.app(scope, receive, send)
 
     async def serve(self, exchange: Exchange) -> None:
-        """One rollout, whichever protocol read it (``gateway.http.exchange``): on
-        ``gateway.http.h1server``'s connections a complete response goes out in one write
+        """One rollout, whichever protocol read it (``gateway.http.server.exchange``): on
+        ``gateway.http.server.h1server``'s connections a complete response goes out in one write
         (its headers are the gateway's own or ones its parser accepted), a stream chunk by
         chunk (``RelayResponse.stream_to``); otherwise, and while writing is paused, the
         ASGI way."""
@@ -115,7 +116,7 @@ class FastPath:
             tenant = gw.tenancy.for_request(authorization)
             counted = tenant.admit_rollout(inbound.task)
             limit = gw.settings.max_body_bytes
-            body = inbound.body  # already read by ``gateway.http.h1server``
+            body = inbound.body  # already read by ``gateway.http.server.h1server``
             if body is None:  # uvicorn's connection: read_body enforces the limit
                 assert inbound.receive is not None
                 body = await read_body(inbound.receive, inbound.header(b"content-length"), limit)
@@ -137,7 +138,12 @@ class FastPath:
         except Exception:
             log.exception("unhandled error on POST %s", inbound.path)
             return self._refuse(GatewayError("Internal gateway error."), started), client, counted
-        except BaseException:
+        except BaseException as exc:
+            why = None  # the run's /pause?mode=abort cancelled it: answered, not dropped
+            if isinstance(exc, asyncio.CancelledError) and counted is not None:
+                why = counted.aborts.take(inbound.task)
+            if why is not None:
+                return self._refuse(why, started), client, counted
             gw.admission.leave(client)
             if counted is not None:
                 counted.leave(inbound.task)

@@ -12,29 +12,25 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.adapters.naming import retired_successor
-from gateway.api.auth import require_client
 from gateway.api.cache_salt import check_client_salt, salted
 from gateway.api.requests import (
     check_generation,
     parse_json_object,
-    request_body,
     request_id_for,
     session_key,
 )
-from gateway.api.responses import gateway_of
 from gateway.errors import (
-    NotFound,
+    GatewayError,
     TooManyRequests,
     UpstreamError,
     UpstreamUnavailable,
 )
 from gateway.fleet.admission import Refusal
-from gateway.http.relay import BodyResponse, RelayResponse
+from gateway.http.relay import BodyResponse, RelayResponse, broken_mid_stream
 from gateway.http.server.inbound import Inbound
 from gateway.http.upstream import (
     ReplicaConnectError,
@@ -46,7 +42,7 @@ from gateway.http.upstream import (
 )
 from gateway.metrics import RouteKind
 from gateway.routing.policy import CandidateLoads, RouteRequest
-from gateway.runs.scope import StreamUnscope, unscope_body
+from gateway.runs.scope import StreamUnscope, scoped_model, unknown_model, unscope_body
 from gateway.runs.usage import usage_tokens
 
 if TYPE_CHECKING:
@@ -157,11 +153,11 @@ async def dispatch(
                 gw.metrics.client_disconnects.inc()
             gw.metrics.record_request(kind, status, time.perf_counter() - started)
 
-        def was_ejected() -> bool:
+        def was_ejected() -> GatewayError | None:
             if gw.tasks.take(task):
                 gw.metrics.aborted.inc()
-                return True
-            return False
+                return broken_mid_stream()
+            return None if scope is None else scope.aborts.take(task)
 
         unscope = None if scope is None else StreamUnscope(scope.run, status, scope.usage)
         return RelayResponse(upstream, out_headers, guard, on_close, was_ejected, unscope)
@@ -220,15 +216,10 @@ def plan_rollout(
     payload = parse_json_object(body, settings.max_json_depth)
     path = inbound.path
     check_generation(path, payload, settings)
-    model = asked = payload.get("model")
+    asked = payload.get("model")
     healthy = tenant.rollout_replicas(gw.routable_or_503())
     routes = tenant.routes
-    allowed = routes.candidates(model)
-    if allowed is not None and isinstance(model, str):  # an adapter, not the base model
-        body = tenant.scope_rollout(payload, body)
-        if payload["model"] != model:  # the run's name on the replicas
-            model = payload["model"]
-            allowed = routes.candidates(model)
+    model, allowed, body = scoped_model(tenant, payload, body)
     candidates = healthy if allowed is None else [i for i in healthy if i in allowed]
     if not candidates and isinstance(model, str) and allowed is not None:
         pattern = tenant.manager.policy.name_pattern
@@ -246,8 +237,7 @@ def plan_rollout(
         if allowed is None:
             raise UpstreamUnavailable("No healthy replica is home to this run right now.",
                                       headers={"Retry-After": "1"})  # fmt: skip
-        # vLLM's own answer for a model it does not serve.
-        raise NotFound(f"The model `{asked}` does not exist.", param="model")
+        raise unknown_model(asked)
     route_request = RouteRequest(
         path=path,
         model=model,
@@ -277,26 +267,6 @@ def plan_rollout(
         body_for=lambda i: salted(body, payload, routes.salt(model, i)),
     )
     return candidates, pick, body
-
-
-async def forwarded(request: Request) -> Response:
-    """FORWARDED: any other path goes to the least-loaded healthy replica."""
-    gw = gateway_of(request)
-    require_client(request)
-    inbound = Inbound.from_scope(request.scope, request.receive)
-    client = admit(gw, inbound)
-    try:
-        body = await request_body(request, gw.settings.max_body_bytes)
-
-        def choose(remaining: Sequence[int]) -> int:
-            return min(remaining, key=lambda i: (gw.pool[i].in_flight, i))
-
-        response = await dispatch(inbound, gw, RouteKind.FORWARDED, body,
-                                  gw.routable_or_503(), Pick(choose))  # fmt: skip
-    except BaseException:
-        gw.admission.leave(client)
-        raise
-    return Releasing(response, lambda: gw.admission.leave(client))
 
 
 def admit(gw: Gateway, inbound: Inbound) -> bytes:

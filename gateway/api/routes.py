@@ -11,8 +11,8 @@ from starlette.routing import BaseRoute, Route
 from gateway.api.auth import require_viewer
 from gateway.api.broadcast import CONTROL_HANDLERS
 from gateway.api.fanin import health, models, server_info
+from gateway.api.forward import forwarded
 from gateway.api.responses import gateway_of, json_response
-from gateway.api.rollout import forwarded
 from gateway.errors import MethodNotAllowed
 from gateway.http.server.h1server import ROUTED_PATHS
 from gateway.metrics import CONTENT_TYPE

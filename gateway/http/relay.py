@@ -18,14 +18,19 @@ import aiohttp
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import UpstreamError
+from gateway.errors import GatewayError, UpstreamError
 from gateway.http.server.disconnect import ClientDisconnected, DisconnectGuard
 from gateway.http.server.exchange import AsgiExchange, Exchange
 
 if TYPE_CHECKING:
     from gateway.http.upstream import UpstreamResponse
 
-__all__ = ["BodyResponse", "RelayResponse"]
+__all__ = ["BodyResponse", "RelayResponse", "broken_mid_stream"]
+
+
+def broken_mid_stream() -> UpstreamError:
+    """What a stream's client reads when its replica failed (or was ejected) mid-body."""
+    return UpstreamError("upstream replica failed mid-stream")
 
 
 class BodyResponse(Response):
@@ -42,9 +47,10 @@ class BodyResponse(Response):
 class RelayResponse(Response):
     """Stream ``upstream``'s body to the client; ``on_close(completed)`` runs once.
 
-    ``ejected()`` is asked when the relay is cancelled: True means the replica was ejected
-    (``gateway.fleet.aborts``), which ends the stream like an upstream failure; otherwise the
-    cancellation is the client's disconnect (or shutdown) and propagates."""
+    ``ejected()`` is asked when the relay is cancelled: an error means the cancellation
+    owes the client an answer (the replica was ejected, or the run paused with ``abort``:
+    ``gateway.fleet.aborts``), which ends the stream like an upstream failure, naming it;
+    None means it is the client's disconnect (or shutdown) and propagates."""
 
     def __init__(
         self,
@@ -52,7 +58,7 @@ class RelayResponse(Response):
         headers: list[tuple[bytes, bytes]],
         guard: DisconnectGuard,
         on_close: Callable[[bool], None],
-        ejected: Callable[[], bool] = lambda: False,
+        ejected: Callable[[], GatewayError | None] = lambda: None,
         transform: Callable[[bytes, bool], bytes] | None = None,
     ) -> None:
         self.status_code = upstream.status
@@ -86,7 +92,7 @@ class RelayResponse(Response):
 
     async def _pump(self, exchange: Exchange) -> bool:
         """Relay everything; False if the upstream broke (or was ejected) mid-body."""
-        intact = True
+        failure: GatewayError | None = None
         try:
             exchange.start_chunked(self.status_code, self.raw_headers)
             transform = self._transform
@@ -96,18 +102,17 @@ class RelayResponse(Response):
                 if not exchange.write_chunk(chunk):
                     await exchange.drain()
         except asyncio.CancelledError:
-            if not self._ejected():
+            if (failure := self._ejected()) is None:
                 raise
-            intact = False
         except (aiohttp.ClientError, ConnectionError, TimeoutError):
-            intact = False
+            failure = broken_mid_stream()
         tail = b"" if self._transform is None else self._transform(b"", True)
-        if not exchange.write_chunk(tail + (b"" if intact else self._error_event()), last=True):
+        if not exchange.write_chunk(tail + self._error_event(failure), last=True):
             await exchange.drain()
-        return intact
+        return failure is None
 
-    def _error_event(self) -> bytes:
+    def _error_event(self, failure: GatewayError | None) -> bytes:
         """Headers are out: for SSE the only honest signal left is an error event."""
-        if self._upstream.content_type != "text/event-stream":
+        if failure is None or self._upstream.content_type != "text/event-stream":
             return b""
-        return b"data: " + UpstreamError("upstream replica failed mid-stream").body() + b"\n\n"
+        return b"data: " + failure.body() + b"\n\n"

@@ -29,6 +29,7 @@ import orjson
 from gateway.adapters.manager import AdapterManager
 from gateway.adapters.placement import Change, Placement, PlacementError, diff, place
 from gateway.errors import BadRequest, InsufficientSlots, TooManyRequests, Unauthorized
+from gateway.fleet.aborts import Aborts, paused_with_abort
 from gateway.runs.table import Run, RunTable
 from gateway.runs.usage import RunUsage
 
@@ -67,6 +68,8 @@ class Tenant:
     usage: RunUsage = field(default_factory=RunUsage)
     """Tokens, answers and held time, for a cost split (``gateway.runs.usage``)."""
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    aborts: Aborts = field(default_factory=Aborts)
+    """Its rollouts cancelled by its ``/pause?mode=abort``, each owing its client a 503."""
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     routes: AdapterRoutes = field(init=False)
@@ -201,9 +204,9 @@ class Tenant:
         mode = _mode(query)
         self.paused = query
         self._resumed.clear()
-        if mode == "abort":
+        if mode == "abort":  # each answered, not dropped (``gateway.fleet.aborts``)
             for task in list(self.tasks):
-                task.cancel()
+                self.aborts.abort(task, paused_with_abort(self.name))
         return mode
 
     def resume(self) -> None:
