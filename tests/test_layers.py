@@ -25,7 +25,7 @@ ROOT = Path(gateway.__file__).parent
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "pure cores and settings: no I/O, no event loop; deterministic, unit-tested",
-        ("gateway", "adapters", "fleet", "http", "routing", "runs", "workers",  # faces
+        ("gateway", "adapters", "fleet", "http", "parts", "routing", "runs", "workers",  # faces
          "errors", "logs", "config", "routing.*", "adapters.naming",
          "adapters.state", "adapters.placement", "adapters.checks", "fleet.quorum",
          "fleet.outliers", "fleet.retry_budget", "fleet.admission", "fleet.aborts",
@@ -38,9 +38,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "adapters, metrics",
         ("http.*", "fleet.shared", "fleet.control", "fleet.metrics", "adapters.fanout",
          "adapters.manager", "runs.tenancy", "runs.metrics", "runs.placing", "runs.mode",
-         "metrics"),
+         "metrics", "roles"),
     ),
-    ("the gateway: the parts of one process held together", ("core",)),
+    ("the gateway: the parts of one process, and the whole they make", ("parts.*", "core")),
     ("the API: handlers, the rollout path", ("api", "api.*")),
     (
         "wiring: the app, start-up checks, the processes of --workers N",
