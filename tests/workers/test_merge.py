@@ -299,10 +299,9 @@ def test_add_workers_sums_per_replica_and_routing() -> None:
     before = {r["index"]: (r["in_flight"], r["served"]) for r in status["replicas"]}
     assert before == {0: (1, 1), 1: (0, 0)}
     # what a worker answers, as it arrives over the channel
-    workers = [
-        orjson.loads(orjson.dumps(Follower(gw, k, "/nonexistent", OwnerLink(), SnapshotFeed()).status()))
-        for k, gw in ((3, w3), (1, w1))
-    ]
+    followers = [Follower(gw, k, "/nonexistent", OwnerLink(), SnapshotFeed())
+                 for k, gw in ((3, w3), (1, w1))]  # fmt: skip
+    workers = [orjson.loads(orjson.dumps(f.status())) for f in followers]
     add_workers(status, workers)
     after = {r["index"]: (r["in_flight"], r["served"]) for r in status["replicas"]}
     assert after == {0: (1 + 1, 1 + 1), 1: (0 + 0 + 2, 0 + 1 + 2)}
