@@ -32,26 +32,26 @@ from gateway.fleet.aborts import ReplicaTasks
 from gateway.fleet.admission import Admission
 from gateway.fleet.control import FleetControl
 from gateway.fleet.discovery import Discovery
+from gateway.fleet.fanout import FanOut
+from gateway.fleet.health import Health
+from gateway.fleet.ledger import Ledger
 from gateway.fleet.outliers import OutlierDetector
 from gateway.fleet.preflight import check_replica, exposure_warning, replica_warning, source
 from gateway.fleet.replicas import ReplicaPool
 from gateway.fleet.retry_budget import RetryBudget
+from gateway.fleet.rotation import Rotation
 from gateway.fleet.shared import SharedOutlierDetector, SharedRetryBudget, SharedState
 from gateway.http.disconnect import ClientDisconnected
 from gateway.http.upstream import Upstream, make_session, upstream_tls
 from gateway.metrics import Metrics
-from gateway.parts.credentials import Credentials
-from gateway.parts.fanout import FanOut
-from gateway.parts.health import Health
-from gateway.parts.ledger import Ledger
-from gateway.parts.rotation import Rotation
-from gateway.parts.selection import Selection
-from gateway.roles import ALONE, LoadsFeed, Peers, Reporter
 from gateway.routing.config import RoutingConfig
 from gateway.routing.policy import make_router
+from gateway.routing.selection import Selection
+from gateway.runs.credentials import Credentials
 from gateway.runs.mode import mode_for
 from gateway.runs.table import Run, RunTable
 from gateway.runs.tenancy import OWN_ROUTES, RoutesSource, Tenancy
+from gateway.workers.roles import ALONE, LoadsFeed, Peers, Reporter
 
 __all__ = ["build_gateway", "create_app"]
 
@@ -82,7 +82,7 @@ def build_gateway(
     bottom up so that each part gets its collaborators when it is made.
 
     ``shared``: the fleet state the processes of ``serve --workers N`` share; the role
-    parts (``gateway.roles``) are what a data-plane worker or the owner is given instead
+    parts (``gateway.workers.roles``) are what a data-plane worker or the owner is given instead
     of a lone process's (``ALONE``): ``reporter`` and ``feed`` a worker's, ``peers`` the
     owner's, ``routes`` where rollouts read a run's adapters (a worker: the owner's
     snapshots)."""

@@ -2,21 +2,24 @@
 (``request.app.state.gateway``), and its ``/gateway/status``.
 
 Each part has one job and gets what it needs when it is built (``gateway.app`` builds
-them, bottom up); none is patched in later:
+them, bottom up); none is patched in later (``tests/test_parts.py``):
 
-==============  ===============================================================
-``rotation``    which replicas are in rotation: breakers, ejections, quorum
-``selection``   the routing decision: the candidate set and the choice
-``ledger``      one request's books, on entry, per attempt, on exit
-``fleet``       the same call on several replicas (control calls, fan-in)
-``control``     the fleet's pause state and the broadcasts that change it
-``health``      health rounds and membership (the owner's loops)
-``credentials`` client and admin keys, and the run a key names
-``peers``       the other processes of ``serve --workers N`` (``gateway.roles``)
-==============  ===============================================================
+=================  ============================  ========================================
+part               module                        its job
+=================  ============================  ========================================
+``rotation``       ``fleet.rotation``            which replicas are in: breakers,
+                                                 ejections, what leaving undoes, quorum
+``selection``      ``routing.selection``         the routing decision: candidates, choice
+``ledger``         ``fleet.ledger``              one request's books: entry, attempts, exit
+``fleet``          ``fleet.fanout``              one call on several replicas
+``control``        ``fleet.control``             the fleet's pause state and its broadcasts
+``health``         ``fleet.health``              health rounds and membership
+``credentials``    ``runs.credentials``          client and admin keys; the run a key names
+``peers``          ``workers.roles``             the other processes (the owner's ``Hub``)
+=================  ============================  ========================================
 
 A data-plane worker and the owner differ only by the role parts they were given
-(``gateway.roles``).
+(``gateway.workers.roles``).
 """
 
 from __future__ import annotations
@@ -28,20 +31,20 @@ from gateway import __version__
 from gateway.adapters.manager import AdapterManager
 from gateway.config import Settings
 from gateway.fleet.control import FleetControl
+from gateway.fleet.fanout import FanOut
+from gateway.fleet.health import Health
+from gateway.fleet.ledger import Ledger
 from gateway.fleet.outliers import BreakerState
 from gateway.fleet.replicas import ReplicaPool
+from gateway.fleet.rotation import Rotation
 from gateway.http.upstream import Upstream
 from gateway.metrics import Metrics
-from gateway.parts.credentials import Credentials
-from gateway.parts.fanout import FanOut
-from gateway.parts.health import Health
-from gateway.parts.ledger import Ledger
-from gateway.parts.rotation import Rotation
-from gateway.parts.selection import Selection
-from gateway.roles import Peers
 from gateway.routing.policy import Router
+from gateway.routing.selection import Selection
+from gateway.runs.credentials import Credentials
 from gateway.runs.mode import RunMode
 from gateway.runs.tenancy import Tenancy, Tenant
+from gateway.workers.roles import Peers
 
 __all__ = ["Gateway"]
 

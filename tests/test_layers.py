@@ -25,8 +25,9 @@ ROOT = Path(gateway.__file__).parent
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "pure cores and settings: no I/O, no event loop; deterministic, unit-tested",
-        ("gateway", "adapters", "fleet", "http", "parts", "routing", "runs", "workers",  # faces
-         "errors", "logs", "config", "routing.*", "adapters.naming",
+        ("gateway", "adapters", "fleet", "http", "routing", "runs", "workers",  # faces
+         "errors", "logs", "config", "routing.policy", "routing.decision", "routing.prefix",
+         "routing.ring", "routing.index", "routing.fleet", "routing.config", "adapters.naming",
          "adapters.state", "adapters.placement", "adapters.checks", "fleet.quorum",
          "fleet.outliers", "fleet.retry_budget", "fleet.admission", "fleet.aborts",
          "fleet.replicas", "fleet.discovery", "runs.table", "runs.scope", "runs.usage",
@@ -38,9 +39,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "adapters, metrics",
         ("http.*", "fleet.shared", "fleet.control", "fleet.metrics", "adapters.fanout",
          "adapters.manager", "runs.tenancy", "runs.metrics", "runs.placing", "runs.mode",
-         "metrics", "roles"),
+         "metrics", "workers.roles", "fleet.rotation", "fleet.fanout", "fleet.health",
+         "fleet.ledger", "routing.selection", "runs.credentials"),
     ),
-    ("the gateway: the parts of one process, and the whole they make", ("parts.*", "core")),
+    ("the gateway: the parts of one process held together", ("core",)),
     ("the API: handlers, the rollout path", ("api", "api.*")),
     (
         "wiring: the app, start-up checks, the processes of --workers N",

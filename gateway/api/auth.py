@@ -1,5 +1,5 @@
 """Which keys a handler needs, and (multi-run mode) which run a request belongs to: the
-request side of ``gateway.parts.credentials``."""
+request side of ``gateway.runs.credentials``."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from gateway.metrics import RouteKind
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
-    from gateway.parts.ledger import Entry
+    from gateway.fleet.ledger import Entry
 
 
 log = logging.getLogger("gateway.api")

@@ -1,8 +1,8 @@
 """Sending one request to one replica, and trying another when that one fails before
 any response byte (refused, reset, or aborted because it was ejected), while the retry
 budget allows. Which replicas may serve it and which one does is the routing decision's
-(``gateway.parts.selection``); what each attempt counts is the ledger's
-(``gateway.parts.ledger``). Streams are relayed as they arrive; nothing is retried
+(``gateway.routing.selection``); what each attempt counts is the ledger's
+(``gateway.fleet.ledger``). Streams are relayed as they arrive; nothing is retried
 after that."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from gateway.runs.usage import usage_tokens
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
-    from gateway.parts.ledger import Entry, Ledger
-    from gateway.parts.selection import Plan
+    from gateway.fleet.ledger import Entry, Ledger
+    from gateway.routing.selection import Plan
     from gateway.runs.tenancy import Tenant
 
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 class RunFleet(Protocol):
     """What placing and sweeping read of the gateway (its fan-out part,
-    ``gateway.parts.fanout.FanOut``, is one): named here so that this module, which the
+    ``gateway.fleet.fanout.FanOut``, is one): named here so that this module, which the
     gateway calls, does not import it."""
 
     settings: Settings

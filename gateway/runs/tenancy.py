@@ -29,9 +29,9 @@ import orjson
 from gateway.adapters.manager import AdapterManager
 from gateway.adapters.placement import Change, Placement, PlacementError, diff, place
 from gateway.errors import BadRequest, InsufficientSlots, TooManyRequests, Unauthorized
-from gateway.roles import ALONE, Peers
 from gateway.runs.table import Run, RunTable
 from gateway.runs.usage import RunUsage
+from gateway.workers.roles import ALONE, Peers
 
 __all__ = [
     "OWN_ROUTES",
@@ -80,7 +80,7 @@ OWN_ROUTES: RoutesSource = _OwnRoutes()
 
 class Ejector(Protocol):
     """Takes a replica that gave no answer out of rotation
-    (``gateway.parts.rotation.Rotation``)."""
+    (``gateway.fleet.rotation.Rotation``)."""
 
     def lost(self, index: int, kind: str) -> None: ...
 

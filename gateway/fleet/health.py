@@ -21,11 +21,11 @@ from gateway.config import ReplicaSpec, Settings
 from gateway.errors import GatewayError
 from gateway.fleet.control import FleetControl
 from gateway.fleet.discovery import diff_membership
+from gateway.fleet.fanout import FanOut
 from gateway.fleet.replicas import Transition
+from gateway.fleet.rotation import Rotation
 from gateway.http.upstream import ReplicaConnectError
 from gateway.metrics import Metrics
-from gateway.parts.fanout import FanOut
-from gateway.parts.rotation import Rotation
 from gateway.routing.policy import Router
 from gateway.runs.mode import RunMode
 

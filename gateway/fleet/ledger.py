@@ -35,12 +35,12 @@ from typing import Any
 from gateway.errors import TooManyRequests, UpstreamError, UpstreamUnavailable
 from gateway.fleet.admission import Admission, Refusal
 from gateway.fleet.retry_budget import RetryBudget
+from gateway.fleet.rotation import Rotation
 from gateway.http.inbound import Inbound
 from gateway.http.upstream import ReplicaConnectError
 from gateway.metrics import Metrics, RouteKind
-from gateway.parts.credentials import Credentials
-from gateway.parts.rotation import Rotation
-from gateway.parts.selection import Plan, Selection
+from gateway.routing.selection import Plan, Selection
+from gateway.runs.credentials import Credentials
 from gateway.runs.tenancy import Tenant
 
 __all__ = ["Entry", "Ledger"]

@@ -19,11 +19,11 @@ from gateway.app import build_gateway
 from gateway.config import load_settings
 from gateway.core import Gateway
 from gateway.errors import TooManyRequests, Unauthorized, UpstreamError, UpstreamUnavailable
+from gateway.fleet.ledger import Entry
 from gateway.fleet.outliers import BreakerState
 from gateway.http.upstream import ReplicaConnectError
 from gateway.metrics import RouteKind
-from gateway.parts.ledger import Entry
-from gateway.parts.selection import Plan
+from gateway.routing.selection import Plan
 
 
 class FakeTask:

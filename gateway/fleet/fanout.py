@@ -20,8 +20,8 @@ from typing import Any
 from gateway.config import Settings
 from gateway.errors import GatewayError, UpstreamTimeout
 from gateway.fleet.replicas import ReplicaPool
+from gateway.fleet.rotation import Rotation
 from gateway.http.upstream import BufferedResponse, ReplicaConnectError, Upstream
-from gateway.parts.rotation import Rotation
 from gateway.runs.tenancy import Tenancy
 
 __all__ = ["FanOut"]

@@ -14,7 +14,7 @@ The choice (``take``) asks the router (with the fleet-wide loads, ``LoadsFeed``,
 data-plane worker), or, for FORWARDED paths, takes the least loaded. Two vetoes follow
 it: the breaker may refuse (its half-open trial slot is taken), and so may the adapter
 copy (it is being retired); the request then chooses again among the others. The
-failover loop around it (``gateway.parts.ledger``) decides whether there is an "again".
+failover loop around it (``gateway.fleet.ledger``) decides whether there is an "again".
 
 Pure: no I/O, no clock but the rotation's; the caller parsed the body.
 """
@@ -31,11 +31,11 @@ import orjson
 from gateway.adapters.naming import retired_successor
 from gateway.api.cache_salt import check_client_salt, salted
 from gateway.errors import NotFound, UpstreamUnavailable
+from gateway.fleet.rotation import Rotation
 from gateway.metrics import Metrics
-from gateway.parts.rotation import Rotation
-from gateway.roles import LoadsFeed
 from gateway.routing.policy import CandidateLoads, Router, RouteRequest
 from gateway.runs.tenancy import AdapterRoutes, Tenant
+from gateway.workers.roles import LoadsFeed
 
 __all__ = ["Plan", "Selection"]
 

@@ -4,7 +4,7 @@ request or a probe causes, and what leaving rotation undoes.
 Three causes take a replica out (each counted in ``gateway_replica_ejections_total``):
 ``outlier`` (its answers opened its breaker, ``gateway.fleet.outliers``), ``passive`` (a
 refused connection, or a control call it did not answer) and ``probe`` (the health part,
-``gateway.parts.health``). Leaving rotation forgets its prefix cache, closes its breaker's
+``gateway.fleet.health``). Leaving rotation forgets its prefix cache, closes its breaker's
 books and aborts what still waits on it (``gateway.fleet.aborts``), so that the request
 is retried elsewhere.
 
@@ -23,8 +23,8 @@ from gateway.fleet.aborts import ReplicaTasks
 from gateway.fleet.outliers import OutlierDetector, OutlierEvent
 from gateway.fleet.replicas import ReplicaPool, Transition
 from gateway.metrics import Metrics
-from gateway.roles import Reporter
 from gateway.routing.policy import Router
+from gateway.workers.roles import Reporter
 
 __all__ = ["Rotation"]
 
