@@ -200,7 +200,7 @@ async def _first_minute(gateway: Gateway) -> list[int]:
                         r.index, r.display)  # fmt: skip
     up = [r for r in gateway.pool.replicas if r.index in healthy]
     found = await asyncio.gather(
-        *(check_replica(gateway, r.index, settings.health_timeout_s) for r in up)
+        *(check_replica(gateway.upstream, r.index, settings.health_timeout_s) for r in up)
     )
     for r, caps in zip(up, found, strict=True):
         if warning := replica_warning(f"{r.index} ({r.display})", caps):

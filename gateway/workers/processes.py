@@ -215,7 +215,9 @@ def _worker_main(
         reader = await follower.connect(timeout=30.0)
         tasks = [
             asyncio.create_task(follower.run(reader), name="gateway-follow"),
-            asyncio.create_task(share_loads(gw, shared, worker, _PUBLISH_S), name="gateway-loads"),
+            asyncio.create_task(
+                share_loads(gw.pool, shared, worker, _PUBLISH_S), name="gateway-loads"
+            ),
         ]
         try:
             yield

@@ -30,6 +30,7 @@ from gateway.workers.snapshot import ControlSnapshot, RunView, SnapshotFeed
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
+    from gateway.fleet.replicas import ReplicaPool
     from gateway.routing.policy import Router
 
 __all__ = [
@@ -157,7 +158,9 @@ class Follower:
         }
 
 
-async def share_loads(gw: Gateway, shared: SharedState, worker: int, interval_s: float) -> None:
+async def share_loads(
+    pool: ReplicaPool, shared: SharedState, worker: int, interval_s: float
+) -> None:
     """Every ``fleet.shared.FLEET_LOADS_S`` (or ``interval_s``, if shorter): publish this
     worker's in-flight counts per replica and, if the fleet-load table is that old, sum
     every worker's into it (the table the routers read, ``FleetLoadsFeed``). The owner's
@@ -166,7 +169,7 @@ async def share_loads(gw: Gateway, shared: SharedState, worker: int, interval_s:
     replicas = range(shared.replicas)
     period = min(interval_s, FLEET_LOADS_S)
     while True:
-        shared.publish_loads(worker, [gw.pool[i].in_flight for i in replicas])
+        shared.publish_loads(worker, [pool[i].in_flight for i in replicas])
         shared.publish_fleet_loads_due(period)
         await asyncio.sleep(period)
 
