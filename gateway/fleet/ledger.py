@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import TooManyRequests, UpstreamError, UpstreamUnavailable
@@ -60,8 +60,8 @@ class Entry:
     counted: Tenant | None = None
     """The named run whose cap the rollout counts against (None: the implicit run)."""
     plan: Plan | None = None
-    remaining: list[int] = field(default_factory=list)
-    """Candidates not tried yet."""
+    remaining: list[int] | None = None
+    """Candidates not tried yet (None: no attempt yet)."""
     index: int = -1
     """The replica of the current attempt."""
     status: int = 0
@@ -121,11 +121,11 @@ class Ledger:
     def attempt(self, entry: Entry, plan: Plan) -> int:
         """The replica of the next attempt, its books opened; 503 when no candidate is
         left, or when this is a retry and the retry budget is spent."""
-        if entry.plan is None:  # the first attempt
-            entry.plan, entry.remaining = plan, list(plan.candidates)
+        remaining = entry.remaining
+        if remaining is None:  # the first attempt
+            entry.plan, entry.remaining = plan, (remaining := list(plan.candidates))
             entry.started = time.perf_counter()
             self.retry_budget.record_request(self._rotation.clock())
-        remaining = entry.remaining
         while True:
             if not remaining:
                 raise UpstreamUnavailable("No healthy replica could take the request.")
