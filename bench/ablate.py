@@ -38,7 +38,7 @@ class Stub:
 
 ABLATIONS: dict[str, tuple[Stub, ...]] = {
     # the routing decision: loads, prompt key, prefix index, ring, decision metric
-    "first-candidate": (Stub("api/rollout.py", "choose", "remaining[0]"),),
+    "first-candidate": (Stub("routing/selection.py", "_choose", "remaining[0]"),),
     "no-metrics": tuple(
         Stub("metrics.py", name, "None")
         for name in ("record_decision", "record_request", "record_routed")
@@ -55,7 +55,7 @@ ABLATIONS: dict[str, tuple[Stub, ...]] = {
         Stub("fleet/retry_budget.py", "record_request", "None"),
         Stub("fleet/aborts.py", "enter", "None"),
         Stub("fleet/aborts.py", "leave", "None"),
-        Stub("core.py", "record_status", "None"),
+        Stub("fleet/rotation.py", "record_status", "None"),
     ),
     # per-client and gateway-wide in-flight limits
     "no-limits": (

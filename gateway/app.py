@@ -14,6 +14,7 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -27,18 +28,30 @@ from gateway.api import FastPath, build_routes, error_response
 from gateway.config import Settings
 from gateway.core import Gateway
 from gateway.errors import GatewayError, NotFound, error_body
+from gateway.fleet.aborts import ReplicaTasks
+from gateway.fleet.admission import Admission
+from gateway.fleet.control import FleetControl
 from gateway.fleet.discovery import Discovery
+from gateway.fleet.fanout import FanOut
+from gateway.fleet.health import Health
+from gateway.fleet.ledger import Ledger
+from gateway.fleet.outliers import OutlierDetector
 from gateway.fleet.preflight import check_replica, exposure_warning, replica_warning, source
 from gateway.fleet.replicas import ReplicaPool
-from gateway.fleet.shared import SharedState
+from gateway.fleet.retry_budget import RetryBudget
+from gateway.fleet.rotation import Rotation
+from gateway.fleet.shared import SharedOutlierDetector, SharedRetryBudget, SharedState
 from gateway.http.server.disconnect import ClientDisconnected
 from gateway.http.upstream import Upstream, make_session, upstream_tls
 from gateway.metrics import Metrics
 from gateway.routing.config import RoutingConfig
 from gateway.routing.policy import make_router
+from gateway.routing.selection import Selection
+from gateway.runs.credentials import Credentials
 from gateway.runs.mode import mode_for
 from gateway.runs.table import Run, RunTable
-from gateway.runs.tenancy import Tenancy
+from gateway.runs.tenancy import OWN_ROUTES, RoutesSource, Tenancy
+from gateway.workers.roles import ALONE, LoadsFeed, Peers, Reporter
 
 __all__ = ["build_gateway", "create_app"]
 
@@ -56,9 +69,23 @@ def adapter_policy(settings: Settings, max_staleness: int | None = None) -> Adap
     )
 
 
-def build_gateway(settings: Settings, shared: SharedState | None = None) -> Gateway:
-    """Everything but the event-loop-bound session, which the lifespan creates.
-    ``shared``: the fleet state the processes of ``serve --workers N`` share."""
+def build_gateway(
+    settings: Settings,
+    shared: SharedState | None = None,
+    *,
+    reporter: Reporter = ALONE,
+    feed: LoadsFeed = ALONE,
+    peers: Peers = ALONE,
+    routes: RoutesSource = OWN_ROUTES,
+) -> Gateway:
+    """Everything but the event-loop-bound session, which the lifespan creates, built
+    bottom up so that each part gets its collaborators when it is made.
+
+    ``shared``: the fleet state the processes of ``serve --workers N`` share; the role
+    parts (``gateway.workers.roles``) are what a data-plane worker or the owner is given instead
+    of a lone process's (``ALONE``): ``reporter`` and ``feed`` a worker's, ``peers`` the
+    owner's, ``routes`` where rollouts read a run's adapters (a worker: the owner's
+    snapshots)."""
     pool = ReplicaPool.from_settings(settings)
     metrics = Metrics(pool)
     upstream = Upstream(
@@ -69,9 +96,29 @@ def build_gateway(settings: Settings, shared: SharedState | None = None) -> Gate
         max_connections=settings.max_connections,
         tls=upstream_tls(settings),
     )
-    table = run_table(settings)
-    managers = {
-        run.name: AdapterManager(
+    router = make_router(settings.router, RoutingConfig(**settings.routing))
+    # The ring spans every configured replica; unhealthy ones are skipped at lookup, so a
+    # flapping replica never reshuffles everyone else's keys.
+    router.set_members(pool.indices())
+    limits: dict[str, Any] = {
+        "consecutive_errors": settings.outlier_consecutive_errors,
+        "base_ejection_s": settings.outlier_ejection_s,
+        "max_ejection_s": settings.outlier_max_ejection_s,
+        "max_ejected_fraction": settings.outlier_max_ejected_fraction,
+    }
+    ratio, floor = settings.retry_budget_ratio, settings.retry_budget_min_per_s
+    if shared is None:
+        outliers = OutlierDetector(**limits)
+        retry_budget = RetryBudget(ratio=ratio, min_per_s=floor)
+    else:
+        outliers = SharedOutlierDetector(shared, **limits)
+        retry_budget = SharedRetryBudget(shared, ratio=ratio, min_per_s=floor)
+    rotation = Rotation(
+        pool, router, metrics, outliers, ReplicaTasks(), reporter, settings.health_min_replicas
+    )
+
+    def manager(run: Run, lost: Callable[[int, str], None]) -> AdapterManager:
+        return AdapterManager(
             upstream,
             run.homes_at_start(pool.indices()),
             policy=adapter_policy(settings, run.max_staleness),
@@ -80,20 +127,24 @@ def build_gateway(settings: Settings, shared: SharedState | None = None) -> Gate
             owns=run.owns(),
             on_settled=metrics.record_adapter_settlement,
             on_action=metrics.record_adapter_action,
+            lost=lost,
+            quorum=rotation.quorum,
+            peers=peers,
         )
-        for run in table.runs
-    }
-    tenancy = Tenancy(table, managers)
-    mode = mode_for(table, tenancy)
+
+    tenancy = Tenancy(run_table(settings), manager, rotation, peers=peers, routes=routes)
+    mode = mode_for(tenancy.table, tenancy)
     metrics.watch_adapters(tenancy.managers)
     for collector in mode.collectors():
         metrics.registry.register(collector)
-    router = make_router(settings.router, RoutingConfig(**settings.routing))
-    # The ring spans every configured replica; unhealthy ones are skipped at lookup, so a
-    # flapping replica never reshuffles everyone else's keys.
-    router.set_members(pool.indices())
     metrics.watch_router(router)
-    gateway = Gateway(
+    metrics.watch_breakers(outliers)
+    fleet = FanOut(settings, upstream, rotation, tenancy)
+    control = FleetControl(fleet.fan_out, rotation.quorum)
+    metrics.watch_control(control)
+    selection = Selection(rotation, router, metrics, feed)
+    credentials = Credentials(settings, tenancy)
+    return Gateway(
         settings=settings,
         pool=pool,
         upstream=upstream,
@@ -101,10 +152,22 @@ def build_gateway(settings: Settings, shared: SharedState | None = None) -> Gate
         metrics=metrics,
         tenancy=tenancy,
         mode=mode,
-        shared=shared,
+        rotation=rotation,
+        selection=selection,
+        ledger=Ledger(
+            credentials,
+            Admission(settings.max_in_flight, settings.max_in_flight_per_client),
+            retry_budget,
+            rotation,
+            selection,
+            metrics,
+        ),
+        fleet=fleet,
+        control=control,
+        health=Health(settings, rotation, fleet, control, mode, router, metrics),
+        credentials=credentials,
+        peers=peers,
     )
-    metrics.watch_control(gateway.control)  # the Gateway makes its FleetControl
-    return gateway
 
 
 def run_table(settings: Settings) -> RunTable:
@@ -137,7 +200,7 @@ async def _first_minute(gateway: Gateway) -> list[int]:
                         r.index, r.display)  # fmt: skip
     up = [r for r in gateway.pool.replicas if r.index in healthy]
     found = await asyncio.gather(
-        *(check_replica(gateway, r.index, settings.health_timeout_s) for r in up)
+        *(check_replica(gateway.upstream, r.index, settings.health_timeout_s) for r in up)
     )
     for r, caps in zip(up, found, strict=True):
         if warning := replica_warning(f"{r.index} ({r.display})", caps):
@@ -188,25 +251,28 @@ def create_app(
     settings: Settings,
     attach: Callable[[], AbstractAsyncContextManager[None]] | None = None,
     shared: SharedState | None = None,
+    peers: Peers = ALONE,
 ) -> FastPath:
     """Build the ASGI app; start-up probes replicas and rebuilds adapter state.
     ``attach``: entered once that is done, for as long as the app serves (the owner of
-    data-plane workers starts its hub there); ``shared``: as ``build_gateway``'s."""
-    gateway = build_gateway(settings, shared)
+    data-plane workers starts its hub there); ``shared``, ``peers``: as
+    ``build_gateway``'s."""
+    gateway = build_gateway(settings, shared, peers=peers)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # Adopt what the replicas already hold *before* any reconciliation, so a
         # restarted gateway never unloads adapters it simply did not know about yet.
-        discovery = Discovery(settings, gateway.apply_membership)
+        health = gateway.health
+        discovery = Discovery(settings, health.apply_membership)
         if discovery.dynamic:
             # Members first, so the rebuild below adopts what every replica holds.
-            gateway.change_members(await discovery.desired())
-        await gateway.health_round(sync_adapters=False)
-        await gateway.mode.start(gateway)
+            health.change_members(await discovery.desired())
+        await health.round(sync_adapters=False)
+        await gateway.mode.start(gateway.fleet)
         await asyncio.gather(*(m.rebuild() for m in gateway.tenancy.managers()))
         tasks = [
-            asyncio.create_task(gateway.health_loop(), name="gateway-health"),
+            asyncio.create_task(health.loop(), name="gateway-health"),
             *(
                 asyncio.create_task(t.manager.run_ticks(), name=f"gateway-adapter-ticks{t.name}")
                 for t in gateway.tenancy

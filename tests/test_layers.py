@@ -26,7 +26,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "pure cores and settings: no I/O, no event loop; deterministic, unit-tested",
         ("gateway", "adapters", "fleet", "http", "http.server", "routing", "runs",  # faces
-         "workers", "errors", "logs", "config", "routing.*", "adapters.naming",
+         "workers", "errors", "logs", "config", "routing.policy", "routing.decision",
+         "routing.prefix", "routing.ring", "routing.index", "routing.fleet", "routing.config",
+         "adapters.naming",
          "adapters.state", "adapters.placement", "adapters.checks", "fleet.quorum",
          "fleet.outliers", "fleet.retry_budget", "fleet.admission", "fleet.aborts",
          "fleet.replicas", "fleet.discovery", "runs.table", "runs.scope", "runs.usage",
@@ -38,7 +40,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "adapters, metrics",
         ("http.*", "fleet.shared", "fleet.control", "fleet.metrics", "adapters.fanout",
          "adapters.manager", "runs.tenancy", "runs.metrics", "runs.placing", "runs.mode",
-         "metrics"),
+         "metrics", "workers.roles", "fleet.rotation", "fleet.fanout", "fleet.health",
+         "fleet.ledger", "routing.selection", "runs.credentials"),
     ),
     ("the gateway: the parts of one process held together", ("core",)),
     ("the API: handlers, the rollout path", ("api", "api.*")),

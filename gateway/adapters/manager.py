@@ -62,6 +62,7 @@ from gateway.errors import (
     NotFound,
     UpstreamUnavailable,
 )
+from gateway.workers.roles import ALONE, Peers
 
 __all__ = ["AdapterManager", "AdapterReply"]
 
@@ -96,6 +97,9 @@ class AdapterManager:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         on_settled: Callable[[Settlement], None] | None = None,
         on_action: Callable[[Action, Result], None] | None = None,
+        lost: Callable[[int, str], None] | None = None,
+        quorum: Callable[[], int] = lambda: 1,
+        peers: Peers = ALONE,
     ) -> None:
         self.policy = policy
         self._indices = sorted(set(replicas))
@@ -111,13 +115,13 @@ class AdapterManager:
         self._clock = clock
         self._on_settled = on_settled
         self._on_action = on_action
-        self.on_lost: Callable[[int, str], None] | None = None
+        self._lost = lost
         """Told when a replica gave no answer (the gateway ejects it at once)."""
-        self.quorum: Callable[[], int] = lambda: 1
-        """Replicas a load must reach (``gateway.fleet.quorum``); the gateway sets it."""
-        self.before_unload: Callable[[str, int, float], Awaitable[None]] | None = None
-        """Waits until other processes (data-plane workers) route nothing more to a copy
-        and finished what they sent it, up to the grace; set by their owner."""
+        self._quorum = quorum
+        """Replicas a load must reach (``gateway.fleet.quorum``)."""
+        self._peers = peers
+        """Before a copy is unloaded, waits until other processes (data-plane workers)
+        route nothing more to it and finished what they sent it, up to the grace."""
         self.executor = fanout.Executor(
             self.core,
             self._perform,
@@ -130,15 +134,15 @@ class AdapterManager:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def _perform(self, action: Action) -> Result:
-        if isinstance(action, UnloadOnReplica) and self.before_unload is not None:
-            await self.before_unload(action.name, action.replica, self.policy.unload_grace_s)
+        if isinstance(action, UnloadOnReplica):
+            await self._peers.drained(action.name, action.replica, self.policy.unload_grace_s)
         return await fanout.perform(self._upstream, action, self._timeout)
 
     def _performed(self, action: Action, result: Result) -> None:
         if self._on_action is not None:
             self._on_action(action, result)
-        if result.outcome in LOST and self.on_lost is not None:
-            self.on_lost(action.replica, result.outcome.value)
+        if result.outcome in LOST and self._lost is not None:
+            self._lost(action.replica, result.outcome.value)
 
     # ---------------------------------------------------------------- routes
 
@@ -169,12 +173,12 @@ class AdapterManager:
             self.executor.notify()
         if self._on_settled is not None:
             self._on_settled(settled)
-        if settled.ok and len(settled.replicas) < self.quorum():
+        if settled.ok and len(settled.replicas) < self._quorum():
             # All or nothing: too few replicas left to call it loaded; take it back.
             self.executor.submit(core.request_unload(name, self._clock()))
             raise UpstreamUnavailable(
                 f"LoRA adapter '{name}' reached only {replica_list(settled.replicas)}, fewer "
-                f"than the {self.quorum()} required; unloaded again.",
+                f"than the {self._quorum()} required; unloaded again.",
                 headers={"Retry-After": "2"},
             )
         if settled.ok:

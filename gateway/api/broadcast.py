@@ -78,7 +78,7 @@ async def _fleet_call(request: Request, tenant: Tenant, replicas: list[int] | No
     gw.metrics.broadcasts.labels(endpoint, "ok").inc()
     if path == RESET:
         for index in tally.applied:
-            gw.forget_cache(index)
+            gw.rotation.forget_cache(index)
     return relay_buffered(first, request_id)
 
 

@@ -28,7 +28,7 @@ async def health(request: Request) -> Response:
     gw = gateway_of(request)
     down = [r.index for r in gw.pool.replicas if not r.up]
     up = len(gw.pool) - len(down)
-    if up >= gw.min_healthy and up > 0:
+    if up >= gw.rotation.min_healthy() and up > 0:
         return Response(status_code=200)
     raise UpstreamUnavailable(
         f"{up}/{len(gw.pool)} replicas healthy; down: {down}", headers={"Retry-After": "2"}
@@ -56,8 +56,8 @@ async def server_info(request: Request) -> Response:
     tenant = require_tenant(request)
     query = request.scope.get("query_string", b"").decode("latin-1")
     targets = _home_replicas(gw, tenant)
-    results = [r for r in await gw.fan_out("GET", "/server_info", query=query, replicas=targets)
-               if r.status == 200]  # fmt: skip
+    answers = await gw.fleet.fan_out("GET", "/server_info", query=query, replicas=targets)
+    results = [r for r in answers if r.status == 200]
     if not results:
         raise UpstreamUnavailable("No healthy replica answered /server_info.")
     try:
@@ -93,7 +93,7 @@ async def models(request: Request) -> Response:
     tenant = require_tenant(request)
     run = tenant.run
     targets = _home_replicas(gw, tenant)
-    results = [r for r in await gw.fan_out("GET", "/v1/models", replicas=targets)
+    results = [r for r in await gw.fleet.fan_out("GET", "/v1/models", replicas=targets)
                if r.status == 200]  # fmt: skip
     if not results:
         raise UpstreamUnavailable("No healthy replica answered /v1/models.")

@@ -12,10 +12,9 @@ from starlette.datastructures import State
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.api.auth import check_key
 from gateway.api.requests import check_body_size, check_headers, read_body
 from gateway.api.responses import error_response
-from gateway.api.rollout import admit, dispatch, plan_rollout
+from gateway.api.rollout import dispatch, plan_rollout
 from gateway.errors import GatewayError
 from gateway.http.relay import RelayResponse
 from gateway.http.server.disconnect import ClientDisconnected
@@ -26,7 +25,7 @@ from gateway.metrics import RouteKind
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
-    from gateway.runs.tenancy import Tenant
+    from gateway.fleet.ledger import Entry
 
 
 log = logging.getLogger("gateway.api")
@@ -78,12 +77,10 @@ class FastPath:
         inbound = exchange.inbound()
         if inbound is None:
             return
-        response, client, tenant = await self.respond(inbound)
+        response, entry = await self.respond(inbound)
         try:
             if response is None:
                 return
-            if tenant is not None:
-                tenant.usage.answered(response.status_code)
             if isinstance(response, RelayResponse):
                 await response.stream_to(exchange)
             elif not exchange.respond(
@@ -91,30 +88,22 @@ class FastPath:
             ):
                 await response(_SCOPE, exchange.receive, exchange.send)
         finally:
-            if client is not None:
-                self.gateway.admission.leave(client)
-            if tenant is not None:
-                tenant.leave(inbound.task)
+            if entry is not None:
+                self.gateway.ledger.exit(entry, None if response is None else response.status_code)
 
-    async def respond(
-        self, inbound: Inbound
-    ) -> tuple[Response | None, bytes | None, Tenant | None]:
-        """The response to a rollout (None: the client left), the admission key to
-        ``leave`` with once it is sent (None: refused before admission), and the run to
-        ``leave`` (multi-run mode, once counted against its cap)."""
+    async def respond(self, inbound: Inbound) -> tuple[Response | None, Entry | None]:
+        """The response to a rollout (None: the client left), and its entry in the ledger
+        to ``exit`` once it is sent (None: refused before it was admitted)."""
         gw = self.gateway
         started = time.perf_counter()
         try:
             check_headers(inbound.headers, gw.settings)
-            client = admit(gw, inbound)
+            entry = gw.ledger.enter(inbound, RouteKind.ROUTED)
         except GatewayError as exc:
-            return self._refuse(exc, started), None, None
-        counted: Tenant | None = None
+            return self._refuse(exc, started), None
+        counted, tenant = entry.counted, entry.tenant
+        assert tenant is not None
         try:
-            authorization = inbound.header(b"authorization")
-            check_key(authorization, gw.client_keys, "API key")
-            tenant = gw.tenancy.for_request(authorization)
-            counted = tenant.admit_rollout(inbound.task)
             limit = gw.settings.max_body_bytes
             body = inbound.body  # already read by ``gateway.http.server.h1server``
             if body is None:  # uvicorn's connection: read_body enforces the limit
@@ -125,28 +114,24 @@ class FastPath:
             if counted is not None and counted.paused is not None:
                 with inbound.guard:  # its scoped /pause: held until /resume (after the
                     await counted.held()  # body: the guard may read ``receive``)
-            candidates, pick, body = plan_rollout(gw, inbound, body, tenant)
-            response = await dispatch(inbound, gw, RouteKind.ROUTED, body, candidates, pick,
-                                      counted)  # fmt: skip
-            return response, client, counted
+            plan = plan_rollout(gw, inbound, body, tenant)
+            return await dispatch(inbound, gw, entry, plan), entry
         except ClientDisconnected:
-            return None, client, counted
+            return None, entry
         except GatewayError as exc:
             if counted is not None:
                 exc.message = counted.run.unscope_text(exc.message)
-            return self._refuse(exc, started), client, counted
+            return self._refuse(exc, started), entry
         except Exception:
             log.exception("unhandled error on POST %s", inbound.path)
-            return self._refuse(GatewayError("Internal gateway error."), started), client, counted
+            return self._refuse(GatewayError("Internal gateway error."), started), entry
         except BaseException as exc:
             why = None  # the run's /pause?mode=abort cancelled it: answered, not dropped
             if isinstance(exc, asyncio.CancelledError) and counted is not None:
                 why = counted.aborts.take(inbound.task)
             if why is not None:
-                return self._refuse(why, started), client, counted
-            gw.admission.leave(client)
-            if counted is not None:
-                counted.leave(inbound.task)
+                return self._refuse(why, started), entry
+            gw.ledger.exit(entry)
             raise
 
     def _refuse(self, exc: GatewayError, started: float | None = None) -> Response:

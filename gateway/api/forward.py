@@ -12,8 +12,7 @@ the request as it came.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -21,12 +20,13 @@ from starlette.responses import Response
 from gateway.api.auth import require_tenant
 from gateway.api.requests import parse_json_object, request_body
 from gateway.api.responses import gateway_of
-from gateway.api.rollout import Pick, Releasing, admit, dispatch
-from gateway.errors import BadRequest, UpstreamUnavailable
+from gateway.api.rollout import Releasing, dispatch
+from gateway.errors import BadRequest
 from gateway.http.relay import BodyResponse
 from gateway.http.server.inbound import Inbound
 from gateway.metrics import RouteKind
-from gateway.runs.scope import own_listing, scoped_model, unknown_model
+from gateway.routing.selection import Plan
+from gateway.runs.scope import own_listing
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
@@ -40,16 +40,13 @@ async def forwarded(request: Request) -> Response:
     gw = gateway_of(request)
     tenant = require_tenant(request)
     inbound = Inbound.from_scope(request.scope, request.receive)
-    client = admit(gw, inbound)
+    ledger = gw.ledger
+    entry = ledger.enter(inbound, RouteKind.FORWARDED)
     try:
         body = await request_body(request, gw.settings.max_body_bytes)
-        candidates, body, scope = plan_forward(gw, body, tenant)
-
-        def choose(remaining: Sequence[int]) -> int:
-            return min(remaining, key=lambda i: (gw.pool[i].in_flight, i))
-
-        response = await dispatch(inbound, gw, RouteKind.FORWARDED, body, candidates,
-                                  Pick(choose), scope)  # fmt: skip
+        plan = plan_forward(gw, body, tenant)
+        response = await dispatch(inbound, gw, entry, plan)
+        scope = plan.scope
         if scope is not None and isinstance(response, BodyResponse) and response.status_code < 300:
             content = bytes(response.body)
             listed = own_listing(scope.run, content)
@@ -57,36 +54,21 @@ async def forwarded(request: Request) -> Response:
                 headers = [h for h in response.raw_headers if h[0] != b"content-length"]
                 response = BodyResponse(response.status_code, headers, listed)
     except BaseException:
-        gw.admission.leave(client)
+        ledger.exit(entry)
         raise
-    return Releasing(response, lambda: gw.admission.leave(client))
+    return Releasing(response, ledger, entry)
 
 
-def plan_forward(
-    gw: Gateway, body: bytes, tenant: Tenant
-) -> tuple[list[int], bytes, Tenant | None]:
-    """Where a FORWARDED request may go, the body to send, and the run whose names its
-    answer must show (None: single-run mode, nothing to scope). Synchronous."""
-    healthy = gw.routable_or_503()
-    homes = tenant.fan_in_replicas(healthy)
-    if homes is None:  # the implicit run: every replica, the body as it came
-        return healthy, body, None
-    if not homes:
-        raise UpstreamUnavailable("No healthy replica is home to this run right now.",
-                                  headers={"Retry-After": "1"})  # fmt: skip
-    if not body:
-        return homes, body, tenant
-    payload = parse_json_object(body, gw.settings.max_json_depth)
-    asked = payload.get("model")
-    if asked is not None and not isinstance(asked, str):
-        raise BadRequest("'model' must be a string.", param="model")
-    model, allowed, body = scoped_model(tenant, payload, body)
-    if allowed is None:
-        return homes, body, tenant
-    candidates = [i for i in homes if i in allowed]
-    if not candidates:
-        if isinstance(model, str) and tenant.routes.is_live(model):
-            raise UpstreamUnavailable(f"No healthy replica holds `{asked}` right now.",
-                                      headers={"Retry-After": "1"})  # fmt: skip
-        raise unknown_model(asked)
-    return candidates, body, tenant
+def plan_forward(gw: Gateway, body: bytes, tenant: Tenant) -> Plan:
+    """Where a FORWARDED request may go and the body to send (``Selection.forwarded``),
+    which reads the body only where it must be scoped (multi-run mode): then it must be a
+    JSON object whose ``model``, if any, is a string. Synchronous."""
+    depth = gw.settings.max_json_depth
+
+    def parse(raw: bytes) -> dict[str, Any]:
+        payload = parse_json_object(raw, depth)
+        if not isinstance(payload.get("model", ""), str):
+            raise BadRequest("'model' must be a string.", param="model")
+        return payload
+
+    return gw.selection.forwarded(body, tenant, parse)

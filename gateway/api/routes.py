@@ -22,17 +22,15 @@ _ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 async def metrics(request: Request) -> Response:
     gw = gateway_of(request)
-    text = gw.metrics.render()
-    if gw.peers is not None:  # the owner of data-plane workers: the whole gateway's
-        text = await gw.peers.merged_metrics(text)
+    # The owner of data-plane workers answers for the whole gateway (``gateway.workers.roles``).
+    text = await gw.peers.merged_metrics(gw.metrics.render())
     return Response(text, media_type=CONTENT_TYPE)
 
 
 async def status(request: Request) -> Response:
     gw = gateway_of(request)
     data = gw.status(require_viewer(request))
-    if gw.peers is not None:
-        await gw.peers.add_status(data)
+    await gw.peers.add_status(data)
     return json_response(data)
 
 

@@ -27,7 +27,7 @@ from gateway.errors import GatewayError
 
 if TYPE_CHECKING:
     from gateway.config import Settings
-    from gateway.core import Gateway
+    from gateway.http.upstream import Upstream
 
 __all__ = ["Capabilities", "check_replica", "exposure_warning", "replica_warning", "source"]
 
@@ -47,12 +47,12 @@ def _route(status: int | None) -> bool | None:
     return {405: True, 404: False}.get(status) if status is not None else None
 
 
-async def check_replica(gw: Gateway, index: int, timeout: float) -> Capabilities:
+async def check_replica(upstream: Upstream, index: int, timeout: float) -> Capabilities:
     """Ask replica ``index`` the three questions, concurrently, with no side effects."""
 
     async def get(path: str, query: str = "") -> tuple[int | None, bytes]:
         try:
-            r = await gw.upstream.call(index, "GET", path, query=query, timeout=timeout)
+            r = await upstream.call(index, "GET", path, query=query, timeout=timeout)
         except GatewayError:
             return None, b""
         return r.status, r.content

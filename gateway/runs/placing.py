@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 
 class RunFleet(Protocol):
-    """What placing and sweeping read of the gateway (``gateway.core.Gateway`` is one):
-    named here so that this module, which the gateway calls, does not import it."""
+    """What placing and sweeping read of the gateway (its fan-out part,
+    ``gateway.fleet.fanout.FanOut``, is one): named here so that this module, which the
+    gateway calls, does not import it."""
 
     settings: Settings
     pool: ReplicaPool

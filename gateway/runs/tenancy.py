@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,8 +32,17 @@ from gateway.errors import BadRequest, InsufficientSlots, TooManyRequests, Unaut
 from gateway.fleet.aborts import Aborts, paused_with_abort
 from gateway.runs.table import Run, RunTable
 from gateway.runs.usage import RunUsage
+from gateway.workers.roles import ALONE, Peers
 
-__all__ = ["AdapterRoutes", "Tenancy", "Tenant"]
+__all__ = [
+    "OWN_ROUTES",
+    "AdapterRoutes",
+    "Ejector",
+    "ManagerFactory",
+    "RoutesSource",
+    "Tenancy",
+    "Tenant",
+]
 
 log = logging.getLogger("gateway.runs")
 
@@ -52,12 +61,45 @@ class AdapterRoutes(Protocol):
     def live_names(self) -> Iterable[str]: ...
 
 
+class RoutesSource(Protocol):
+    """Where a run's rollouts read its adapters from: the run's own manager (one process,
+    the owner: ``OWN_ROUTES``), or the owner's last snapshot (a data-plane worker,
+    ``gateway.workers.worker.SnapshotFeed``)."""
+
+    def routes(self, run: str, manager: AdapterManager) -> AdapterRoutes: ...
+
+
+class _OwnRoutes:
+    __slots__ = ()
+
+    def routes(self, run: str, manager: AdapterManager) -> AdapterRoutes:
+        return manager
+
+
+OWN_ROUTES: RoutesSource = _OwnRoutes()
+
+
+class Ejector(Protocol):
+    """Takes a replica that gave no answer out of rotation
+    (``gateway.fleet.rotation.Rotation``)."""
+
+    def lost(self, index: int, kind: str) -> None: ...
+
+
+ManagerFactory = Callable[[Run, Callable[[int, str], None]], AdapterManager]
+"""Builds a run's adapter manager, given what it calls when a replica gave no answer."""
+
+
 @dataclass(eq=False)
 class Tenant:
     """One run at run time."""
 
     run: Run
     manager: AdapterManager
+    routes: AdapterRoutes
+    """What its rollouts read of its adapters (``RoutesSource``)."""
+    peers: Peers = ALONE
+    """The other processes, whose rollouts of this run a scoped ``/pause`` waits for too."""
     homes: frozenset[int] = frozenset()
     unplaced: str | None = None
     """Why the run has no homes (the placement error, naming the budget), if it has none."""
@@ -72,12 +114,8 @@ class Tenant:
     """Its rollouts cancelled by its ``/pause?mode=abort``, each owing its client a 503."""
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
-    routes: AdapterRoutes = field(init=False)
-    elsewhere: Callable[[Tenant, float], Awaitable[None]] | None = None
-    """Waits for the run's rollouts in other processes (the owner's data-plane workers)."""
 
     def __post_init__(self) -> None:
-        self.routes = self.manager
         self._resumed.set()
         self._idle.set()
 
@@ -96,6 +134,24 @@ class Tenant:
     def check_placed(self) -> None:
         if self.unplaced is not None:
             raise InsufficientSlots(self.unplaced)
+
+    def settle(self, homes: frozenset[int], failure: str | None) -> None:
+        """Its homes after a placement (``Tenancy.place``); ``failure``: why it could not
+        be placed this time. A run with homes is placed, whatever it was before."""
+        self.homes = homes
+        if failure is not None:
+            self.unplaced = failure
+        if homes:
+            self.unplaced = None
+
+    def follow(self, homes: frozenset[int], unplaced: str | None, paused: str | None) -> None:
+        """Adopt the owner's view of the run (a data-plane worker, per snapshot): its
+        homes, why it is unplaced, and its scoped pause."""
+        self.homes, self.unplaced = homes, unplaced
+        if paused is None and self.paused is not None:
+            self.resume()
+        elif paused is not None and paused != self.paused:
+            self.hold(paused)
 
     # -- the run's scope: what a request of this run sees (the implicit run: the identity)
 
@@ -195,8 +251,8 @@ class Tenant:
             except TimeoutError:
                 log.warning("run %s: %d rollouts still in flight %.0f s after /pause?%s",
                             self.name, self.in_flight, timeout, query)  # fmt: skip
-        if mode in ("wait", "abort") and self.elsewhere is not None:
-            await self.elsewhere(self, timeout)
+        if mode in ("wait", "abort"):
+            await self.peers.run_drained(self.name, timeout)
 
     def hold(self, query: str) -> str:
         """Hold the run's new rollouts from now on (``abort``: cancel its running ones
@@ -228,9 +284,21 @@ def _mode(query: str) -> str:
 class Tenancy:
     """Every run, by credential; and where each one lives on the fleet."""
 
-    def __init__(self, table: RunTable, managers: Mapping[str, AdapterManager]) -> None:
+    def __init__(
+        self,
+        table: RunTable,
+        manager: ManagerFactory,
+        ejector: Ejector,
+        *,
+        peers: Peers = ALONE,
+        routes: RoutesSource = OWN_ROUTES,
+    ) -> None:
         self.table = table
-        self.tenants = {run.name: Tenant(run, managers[run.name]) for run in table.runs}
+        self._ejector = ejector
+        self.tenants: dict[str, Tenant] = {}
+        for run in table.runs:
+            own = manager(run, self.lose)
+            self.tenants[run.name] = Tenant(run, own, routes.routes(run.name, own), peers)
         self.placement: Placement | None = None
         self.budget: int | None = None
         self._single = None if table.multi else self.tenants[""]
@@ -244,6 +312,15 @@ class Tenancy:
 
     def managers(self) -> list[AdapterManager]:
         return [t.manager for t in self.tenants.values()]
+
+    def lose(self, index: int, kind: str) -> None:
+        """A call got no answer from ``index`` (``gateway.fleet.quorum``'s "lost"): eject
+        it at once, and every run homed there stops sending it adapter calls; it is
+        reconciled before it serves again."""
+        self._ejector.lost(index, kind)
+        for tenant in self:
+            if tenant.serves(index):
+                tenant.manager.replica_down(index)
 
     def single(self) -> Tenant:
         assert self._single is not None, "multi-run mode has no single run"
@@ -279,10 +356,10 @@ class Tenancy:
         if isinstance(result, PlacementError):
             new = result.best_effort
             for name in result.needs:
-                self.tenants[name].unplaced = f"LoRA adapter slots exhausted: {result}"
                 log.error("run %s cannot be placed: %s", name, result)
+            failed = {name: f"LoRA adapter slots exhausted: {result}" for name in result.needs}
         else:
-            new = result
+            new, failed = result, {}
         moves = []
         for move in diff(previous, new):
             tenant = self.tenants[move.run]
@@ -292,9 +369,7 @@ class Tenancy:
                 tenant.manager.add_replica(move.replica)
             moves.append((move.change, move.run, move.replica))
         for tenant in self:
-            tenant.homes = new.homes(tenant.name)
-            if tenant.homes:
-                tenant.unplaced = None
+            tenant.settle(new.homes(tenant.name), failed.get(tenant.name))
         self.placement = new
         return moves
 

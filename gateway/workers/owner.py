@@ -36,7 +36,7 @@ from gateway.workers.snapshot import ControlSnapshot, capture
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
-    from gateway.runs.tenancy import Tenant
+    from gateway.fleet.shared import SharedState
 
 __all__ = ["Hub", "SyncBeforeAnswer"]
 
@@ -61,17 +61,21 @@ class _Link:
 
 
 class Hub:
+    """The owner's ``Peers`` (``gateway.workers.roles``): built before the owner's gateway, which
+    it is handed to; it serves the workers once ``start`` hands it that gateway."""
+
     def __init__(
         self,
-        gw: Gateway,
         path: str,
         *,
+        shared: SharedState | None = None,
         workers: int = 1,
         ack_timeout_s: float = 5.0,
         join_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.gw = gw
+        self._gw: Gateway | None = None
+        self._shared = shared
         self.workers = workers
         self.join_timeout_s = join_timeout_s
         self.path = path
@@ -88,7 +92,14 @@ class Hub:
 
     # --- lifecycle -------------------------------------------------------------------
 
-    async def start(self) -> None:
+    @property
+    def gw(self) -> Gateway:
+        assert self._gw is not None, "the hub serves once started"
+        return self._gw
+
+    async def start(self, gw: Gateway) -> None:
+        """Serve the workers the control state of ``gw`` (the owner's own gateway)."""
+        self._gw = gw
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
         os.chmod(self.path, 0o600)
 
@@ -105,8 +116,8 @@ class Hub:
         background (health rounds, adapter ticks)."""
         while True:
             await asyncio.sleep(interval_s)
-            if self.gw.shared is not None:
-                self.gw.shared.publish_fleet_loads()  # the routers' one table, this period
+            if self._shared is not None:
+                self._shared.publish_fleet_loads()  # the routers' one table, this period
             try:
                 await self.sync()
             except Exception:  # the loop must outlive any one bad round
@@ -184,7 +195,10 @@ class Hub:
 
     async def drained(self, name: str, replica: int, timeout: float) -> None:
         """Before unloading ``name`` from ``replica``: publish (no worker starts a request
-        on it after), then wait until no worker has one running, up to ``timeout``."""
+        on it after), then wait until no worker has one running, up to ``timeout``. Not
+        started yet (the owner's start-up): no worker has joined, nothing to wait for."""
+        if self._gw is None:
+            return
         await self.sync()
         deadline = self.clock() + timeout
         while sum(await self.ask("adapter_in_flight", name=name, replica=replica)):
@@ -194,15 +208,17 @@ class Hub:
                 return
             await asyncio.sleep(_POLL_S)
 
-    async def run_drained(self, tenant: Tenant, timeout: float) -> None:
+    async def run_drained(self, run: str, timeout: float) -> None:
         """A scoped ``/pause?mode=wait|abort``: publish the pause (workers hold new
         rollouts; with ``abort`` they cancel theirs), then wait until none is running."""
+        if self._gw is None:
+            return
         await self.sync()
         deadline = self.clock() + timeout
-        while sum(await self.ask("run_in_flight", run=tenant.name)):
+        while sum(await self.ask("run_in_flight", run=run)):
             if self.clock() >= deadline:
                 log.warning("run %s: rollouts still in flight in workers %.0f s after /pause",
-                            tenant.name, timeout)  # fmt: skip
+                            run, timeout)  # fmt: skip
                 return
             await asyncio.sleep(_POLL_S)
 
@@ -249,7 +265,7 @@ class Hub:
             if future is not None and not future.done():
                 future.set_result(message.get("value"))
         elif op == "connect_failure":
-            self.gw.on_connect_failure(int(message["replica"]), str(message["kind"]))
+            self.gw.rotation.on_connect_failure(int(message["replica"]), str(message["kind"]))
             self._spawn(self.sync())
         else:
             raise ValueError(f"unknown op {op!r}")

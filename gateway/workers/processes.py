@@ -43,9 +43,11 @@ from gateway.config import Settings
 from gateway.fleet.shared import SharedState
 from gateway.http.server.serving import listen_socket, serve
 from gateway.workers.owner import Hub, SyncBeforeAnswer
+from gateway.workers.snapshot import SnapshotFeed
 from gateway.workers.worker import (
     FleetLoadsFeed,
     Follower,
+    OwnerLink,
     OwnerProxy,
     OwnerSession,
     share_loads,
@@ -170,17 +172,11 @@ def _serve(app: object, sock: socket.socket, settings: Settings, lean: bool) -> 
 
 
 def _owner_main(settings: Settings, shared: SharedState, workers: int, rundir: Path) -> None:
-    hubs: list[Hub] = []
+    hub = Hub(str(rundir / _CONTROL), shared=shared, workers=workers)
 
     @contextlib.asynccontextmanager
     async def attach() -> AsyncIterator[None]:
-        hub = hubs[0]
-        gw = hub.gw
-        gw.peers = hub
-        for tenant in gw.tenancy:
-            tenant.manager.before_unload = hub.drained
-            tenant.elsewhere = hub.run_drained
-        await hub.start()  # the supervisor starts the workers once this socket exists
+        await hub.start(app.gateway)  # the supervisor starts the workers once it listens
         task = asyncio.create_task(hub.run(_PUBLISH_S), name="gateway-publish")
         try:
             yield
@@ -188,9 +184,7 @@ def _owner_main(settings: Settings, shared: SharedState, workers: int, rundir: P
             task.cancel()
             await hub.aclose()
 
-    app = create_app(settings, attach, shared)
-    hub = Hub(app.gateway, str(rundir / _CONTROL), workers=workers)
-    hubs.append(hub)
+    app = create_app(settings, attach, shared, peers=hub)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     (rundir / _OWNER).unlink(missing_ok=True)
     sock.bind(str(rundir / _OWNER))
@@ -210,18 +204,20 @@ def _worker_main(
         if (value := getattr(settings, name)) is not None
     }
     settings = settings.model_copy(update=limits)
-    gw = build_gateway(settings, shared)
+    link, feed = OwnerLink(), SnapshotFeed()
+    gw = build_gateway(settings, shared, reporter=link, feed=FleetLoadsFeed(shared), routes=feed)
     gw.router.set_workers(workers)  # decide a group's replica alike in every worker
-    gw.before_route = FleetLoadsFeed(gw.router, shared)
     owner = OwnerSession(str(rundir / _OWNER))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        follower = Follower(gw, worker, str(rundir / _CONTROL))
+        follower = Follower(gw, worker, str(rundir / _CONTROL), link, feed)
         reader = await follower.connect(timeout=30.0)
         tasks = [
             asyncio.create_task(follower.run(reader), name="gateway-follow"),
-            asyncio.create_task(share_loads(gw, shared, worker, _PUBLISH_S), name="gateway-loads"),
+            asyncio.create_task(
+                share_loads(gw.pool, shared, worker, _PUBLISH_S), name="gateway-loads"
+            ),
         ]
         try:
             yield

@@ -6,7 +6,8 @@ replicas are in rotation, and per run its homes, its pause, and which replicas s
 adapter name. (Outlier breakers are not control state: every process reads and writes
 the same ones, ``gateway.fleet.shared``.) ``capture`` reads it off the
 owner's ``Gateway``; ``SnapshotRoutes`` answers a rollout's adapter questions from it the
-way ``AdapterManager`` does, so ``gateway.api.rollout`` takes the same path in both.
+way ``AdapterManager`` does, so a rollout takes the same path in both: a worker's runs are
+built with them (``SnapshotFeed``, its ``RoutesSource``), and each snapshot moves them on.
 
 Sans-I/O: no sockets, no clock; the wire form is plain JSON.
 """
@@ -22,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 from gateway.adapters.state import RequestCounts
 
 if TYPE_CHECKING:
+    from gateway.adapters.manager import AdapterManager
     from gateway.core import Gateway
 
-__all__ = ["ControlSnapshot", "RunView", "SnapshotRoutes", "capture"]
+__all__ = ["ControlSnapshot", "RunView", "SnapshotFeed", "SnapshotRoutes", "capture"]
 
 _EMPTY: Mapping[str, frozenset[int]] = MappingProxyType({})
 _NO_RESETS: Mapping[int, int] = MappingProxyType({})
@@ -132,16 +134,16 @@ def capture(gw: Gateway, epoch: int) -> ControlSnapshot:
         epoch=epoch,
         healthy=frozenset(gw.pool.healthy_indices()),
         runs=tuple(runs),
-        cache_resets=MappingProxyType(dict(gw.cache_resets)),
+        cache_resets=MappingProxyType(dict(gw.rotation.cache_resets)),
     )
 
 
 class SnapshotRoutes(RequestCounts):
-    """A run's adapters as one snapshot says, with ``AdapterManager``'s answers.
+    """A run's adapters as the latest snapshot says, with ``AdapterManager``'s answers.
 
-    ``in_flight`` is the worker's own count per (name, replica); it outlives snapshots
-    (a new one gets the same counter), so the owner can ask whether a copy it retires
-    still has requests here before it unloads it."""
+    ``in_flight`` is the worker's own count per (name, replica); it outlives snapshots,
+    so the owner can ask whether a copy it retires still has requests here before it
+    unloads it."""
 
     __slots__ = ("_inflight", "_view")
 
@@ -152,6 +154,10 @@ class SnapshotRoutes(RequestCounts):
     @property
     def in_flight(self) -> Counter[tuple[str, int]]:
         return self._inflight
+
+    def follow(self, view: RunView) -> None:
+        """Answer by ``view`` from now on (one assignment: no rollout sees half of it)."""
+        self._view = view
 
     def candidates(self, model: str | None) -> frozenset[int] | None:
         if model is None:
@@ -171,3 +177,24 @@ class SnapshotRoutes(RequestCounts):
     def salt(self, name: str, replica: int) -> str | None:
         by = self._view.salts.get(name)
         return None if by is None else by.get(replica)
+
+
+class SnapshotFeed:
+    """A data-plane worker's ``RoutesSource`` (``gateway.runs.tenancy``): each run reads
+    its adapters from its ``SnapshotRoutes``, which ``follow`` moves to every new
+    snapshot's view. One request counter for all of them (``in_flight``)."""
+
+    __slots__ = ("_routes", "in_flight")
+
+    def __init__(self) -> None:
+        self.in_flight: Counter[tuple[str, int]] = Counter()
+        """(adapter, replica) -> this worker's requests on that copy."""
+        self._routes: dict[str, SnapshotRoutes] = {}
+
+    def routes(self, run: str, manager: AdapterManager) -> SnapshotRoutes:
+        routes = self._routes[run] = SnapshotRoutes(RunView(run), self.in_flight)
+        return routes
+
+    def follow(self, snapshot: ControlSnapshot) -> None:
+        for name, routes in self._routes.items():
+            routes.follow(snapshot.run(name) or RunView(name))

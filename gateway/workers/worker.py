@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -27,13 +26,21 @@ from gateway.errors import GatewayError, UpstreamUnavailable
 from gateway.fleet.shared import FLEET_LOADS_S, SharedState
 from gateway.http.upstream import HOP_BY_HOP
 from gateway.workers.channel import read_message, write_message
-from gateway.workers.snapshot import ControlSnapshot, RunView, SnapshotRoutes
+from gateway.workers.snapshot import ControlSnapshot, RunView, SnapshotFeed
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
+    from gateway.fleet.replicas import ReplicaPool
     from gateway.routing.policy import Router
 
-__all__ = ["FleetLoadsFeed", "Follower", "OwnerProxy", "OwnerSession", "share_loads"]
+__all__ = [
+    "FleetLoadsFeed",
+    "Follower",
+    "OwnerLink",
+    "OwnerProxy",
+    "OwnerSession",
+    "share_loads",
+]
 
 log = logging.getLogger("gateway.workers")
 
@@ -41,19 +48,38 @@ _RECONNECT_S = 0.25
 _OWN = HOP_BY_HOP | {b"date", b"server"}  # the worker's server adds its own
 
 
+class OwnerLink:
+    """A worker's ``Reporter`` (``gateway.workers.roles``): what only this worker saw goes to the
+    owner over the channel the ``Follower`` holds, while it holds one (a report made
+    while the owner restarts is dropped: the owner probes every replica anew)."""
+
+    __slots__ = ("_writer",)
+
+    def __init__(self) -> None:
+        self._writer: asyncio.StreamWriter | None = None
+
+    def connected(self, writer: asyncio.StreamWriter | None) -> None:
+        self._writer = writer
+
+    def report(self, message: dict[str, Any]) -> None:
+        if self._writer is not None:
+            write_message(self._writer, message)
+
+
 class Follower:
     """The worker's end of the owner's channel: applies snapshots, acks them, answers
-    the owner's questions, and reports the ejections this worker decided."""
+    the owner's questions. The worker's gateway was built with ``link`` as its reporter
+    and ``feed`` as its runs' routes."""
 
-    def __init__(self, gw: Gateway, worker: int, path: str) -> None:
+    def __init__(
+        self, gw: Gateway, worker: int, path: str, link: OwnerLink, feed: SnapshotFeed
+    ) -> None:
         self.gw = gw
         self.worker = worker
         self.path = path
+        self.link = link
+        self.feed = feed
         self.snapshot: ControlSnapshot | None = None
-        self.in_flight: Counter[tuple[str, int]] = Counter()
-        """(adapter, replica) -> this worker's requests on that copy."""
-        self._writer: asyncio.StreamWriter | None = None
-        gw.report = self._report
 
     async def connect(self, timeout: float) -> asyncio.StreamReader:
         """Join the owner and apply its current snapshot (the worker serves nothing
@@ -61,7 +87,7 @@ class Follower:
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path), timeout)
         write_message(writer, {"op": "hello", "worker": self.worker, "pid": os.getpid()})
         first = await asyncio.wait_for(read_message(reader), timeout)
-        self._writer = writer
+        self.link.connected(writer)
         self._handle(first)
         return reader
 
@@ -76,7 +102,7 @@ class Follower:
                 log.warning("worker %d: lost the owner; serving by control snapshot %s "
                             "until it is back", self.worker,
                             self.snapshot.epoch if self.snapshot else None)  # fmt: skip
-            self._writer = None
+            self.link.connected(None)
             while True:
                 await asyncio.sleep(_RECONNECT_S)
                 with contextlib.suppress(OSError, TimeoutError, asyncio.IncompleteReadError,
@@ -84,20 +110,16 @@ class Follower:
                     reader = await self.connect(timeout=5.0)
                     break
 
-    def _report(self, message: dict[str, Any]) -> None:
-        if self._writer is not None:
-            write_message(self._writer, message)
-
     def _handle(self, message: dict[str, Any]) -> None:
         op = message["op"]
         if op == "snapshot":
             snapshot = ControlSnapshot.from_wire(message["snapshot"])
             self.apply(snapshot)
-            self._report({"op": "ack", "epoch": snapshot.epoch})
+            self.link.report({"op": "ack", "epoch": snapshot.epoch})
             return
         value: Any
         if op == "adapter_in_flight":
-            value = self.in_flight[(message["name"], int(message["replica"]))]
+            value = self.feed.in_flight[(message["name"], int(message["replica"]))]
         elif op == "run_in_flight":
             value = self.gw.tenancy.tenants[message["run"]].in_flight
         elif op == "metrics":
@@ -106,25 +128,21 @@ class Follower:
             value = self.status()
         else:
             raise ValueError(f"unknown op {op!r}")
-        self._report({"op": "reply", "id": message["id"], "value": value})
+        self.link.report({"op": "reply", "id": message["id"], "value": value})
 
     def apply(self, snapshot: ControlSnapshot) -> None:
         """Adopt ``snapshot`` in one synchronous step (no rollout sees half of it)."""
         gw, old = self.gw, self.snapshot
         for index in gw.pool.follow(snapshot.healthy):
-            gw.out_of_rotation(index)  # abort what waits on it here, as the owner did
+            gw.rotation.out_of_rotation(index)  # abort what waits on it, as the owner did
         if old is not None:
             for index, count in snapshot.cache_resets.items():
                 if old.cache_resets.get(index) != count:
                     gw.router.forget_replica(index)
+        self.feed.follow(snapshot)
         for tenant in gw.tenancy:
             view = snapshot.run(tenant.name) or RunView(tenant.name)
-            tenant.routes = SnapshotRoutes(view, self.in_flight)
-            tenant.homes, tenant.unplaced = view.homes, view.unplaced
-            if view.paused is None and tenant.paused is not None:
-                tenant.resume()
-            elif view.paused is not None and view.paused != tenant.paused:
-                tenant.hold(view.paused)
+            tenant.follow(view.homes, view.unplaced, view.paused)
         self.snapshot = snapshot
 
     def status(self) -> dict[str, Any]:
@@ -133,14 +151,16 @@ class Follower:
             "worker": self.worker,
             "pid": os.getpid(),
             "snapshot": self.snapshot.epoch if self.snapshot else None,
-            "in_flight": gw.admission.in_flight,
+            "in_flight": gw.ledger.admission.in_flight,
             "routed": sum(r.served for r in gw.pool.replicas),
             "replicas": {str(r.index): [r.in_flight, r.served] for r in gw.pool.replicas},
             "routing": gw.metrics.routing_counts(),
         }
 
 
-async def share_loads(gw: Gateway, shared: SharedState, worker: int, interval_s: float) -> None:
+async def share_loads(
+    pool: ReplicaPool, shared: SharedState, worker: int, interval_s: float
+) -> None:
     """Every ``fleet.shared.FLEET_LOADS_S`` (or ``interval_s``, if shorter): publish this
     worker's in-flight counts per replica and, if the fleet-load table is that old, sum
     every worker's into it (the table the routers read, ``FleetLoadsFeed``). The owner's
@@ -149,28 +169,28 @@ async def share_loads(gw: Gateway, shared: SharedState, worker: int, interval_s:
     replicas = range(shared.replicas)
     period = min(interval_s, FLEET_LOADS_S)
     while True:
-        shared.publish_loads(worker, [gw.pool[i].in_flight for i in replicas])
+        shared.publish_loads(worker, [pool[i].in_flight for i in replicas])
         shared.publish_fleet_loads_due(period)
         await asyncio.sleep(period)
 
 
 class FleetLoadsFeed:
-    """Before each routing decision: hand the router the owner's newest fleet-load table,
-    the moment it is published. Every worker switches tables at the same instant, so
-    a GRPO group's samples, spread over workers, are placed by the same table."""
+    """A worker's ``LoadsFeed`` (``gateway.workers.roles``): before each routing decision, hand
+    the router the owner's newest fleet-load table, the moment it is published. Every
+    worker switches tables at the same instant, so a GRPO group's samples, spread over
+    workers, are placed by the same table."""
 
-    __slots__ = ("_router", "_seen", "_shared")
+    __slots__ = ("_seen", "_shared")
 
-    def __init__(self, router: Router, shared: SharedState) -> None:
-        self._router = router
+    def __init__(self, shared: SharedState) -> None:
         self._shared = shared
         self._seen = -1.0
 
-    def __call__(self) -> None:
+    def refresh(self, router: Router) -> None:
         seen, table = self._shared.fleet_loads(self._seen)
         if table is not None:
             self._seen = seen
-            self._router.set_fleet_loads(table)
+            router.set_fleet_loads(table)
 
 
 class OwnerSession:

@@ -117,7 +117,7 @@ async def test_global_in_flight_cap_answers_429_with_retry_after() -> None:
         assert refused.json()["error"]["type"] == "RateLimitError"
         # Control endpoints are never refused, and the count returns to zero.
         assert (await client.get("/health")).status_code == 200
-        assert c.gateway.admission.in_flight == 0
+        assert c.gateway.ledger.admission.in_flight == 0
         assert (await client.post("/v1/completions", json=BODY)).status_code == 200
 
 
@@ -138,7 +138,7 @@ async def test_per_client_cap_is_per_credential() -> None:
         assert c.sim(0).waiting == 1  # the refused one never reached the replica
         c.sim(0).resume()
         assert (await first).status_code == 200
-        assert c.gateway.admission.clients() == 0
+        assert c.gateway.ledger.admission.clients() == 0
         metrics = (await client.get("/metrics")).text
         assert rejected(metrics, "client_in_flight") == 1
 
@@ -155,5 +155,5 @@ async def test_streams_hold_their_slot_until_the_end() -> None:
             assert other.status_code == 429
             chunks = [line async for line in r.aiter_lines() if line.startswith("data:")]
         assert chunks[-1] == "data: [DONE]"
-        assert c.gateway.admission.in_flight == 0
+        assert c.gateway.ledger.admission.in_flight == 0
         assert json.loads(chunks[0][5:])["object"] == "text_completion"

@@ -278,7 +278,7 @@ async def test_retry_before_first_byte_when_a_replica_dies() -> None:
         assert retries >= 1
         # Bring it back on the same port: the next health round re-admits it.
         await c.replicas[1].start()
-        await c.gateway.health_round()
+        await c.gateway.health.round()
         assert c.gateway.pool[1].up
 
 

@@ -227,13 +227,13 @@ def _count_rounds(gw: Gateway) -> list[int]:
     """Count discovery rounds: each one hands its list to ``apply_membership``, which the
     lifespan looks up when it starts discovery (so call this before ``serve_asgi``)."""
     rounds = [0]
-    apply = gw.apply_membership
+    apply = gw.health.apply_membership
 
     async def counted(desired: Sequence[ReplicaSpec]) -> None:
         rounds[0] += 1
         await apply(desired)
 
-    gw.apply_membership = counted  # type: ignore[method-assign]
+    gw.health.apply_membership = counted  # type: ignore[method-assign]
     return rounds
 
 

@@ -16,7 +16,7 @@ BODY = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 4}
 
 
 class Clock:
-    """The gateway's ``now`` (``Gateway.clock``), moved by the test instead of slept past."""
+    """The gateway's ``now`` (``Rotation.clock``), moved by the test instead of slept past."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -28,7 +28,7 @@ class Clock:
 def until_reopen(c: Cluster, clock: Clock, index: int) -> None:
     """Jump to the breaker's own deadline (``reopen_at``): no sleep, no race with a slow
     machine, and the ejection time itself is checked."""
-    reopen_at = c.gateway.outliers.breaker(index).reopen_at
+    reopen_at = c.gateway.rotation.outliers.breaker(index).reopen_at
     assert reopen_at > clock.now, "the breaker is not open"
     clock.now = reopen_at
 
@@ -42,27 +42,27 @@ async def test_5xx_replica_is_ejected_probed_half_open_and_restored() -> None:
     settings = {"router": "round_robin", "outlier_consecutive_errors": 3,
                 "outlier_ejection_s": 0.6}  # fmt: skip
     async with cluster(2, **settings) as c, httpx.AsyncClient(base_url=c.url) as client:
-        c.gateway.clock = clock = Clock()
+        c.gateway.rotation.clock = clock = Clock()
         c.sim(0).faults.completion_error = -1  # every completion: HTTP 500
         codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(20)]
         assert codes.count(500) == 3, codes  # relayed as they are, then no more traffic there
-        assert c.gateway.outliers.states()[0] is BreakerState.OPEN
+        assert c.gateway.rotation.outliers.states()[0] is BreakerState.OPEN
         status = (await client.get("/gateway/status")).json()
         assert status["replicas"][0]["breaker"] == "open"
         assert status["replicas"][0]["healthy"]  # /health still passes: only outliers see it
         served_before = c.sim(1).stats.requests_by_model.total()
-        assert c.gateway.outliers.breaker(0).reopen_at == clock.now + 0.6
+        assert c.gateway.rotation.outliers.breaker(0).reopen_at == clock.now + 0.6
         until_reopen(c, clock, 0)  # half-open: one trial reaches replica 0 and fails
         codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(6)]
         assert codes.count(500) == 1, codes
         assert c.sim(1).stats.requests_by_model.total() == served_before + 5
         c.sim(0).clear_faults()
-        assert c.gateway.outliers.breaker(0).ejections == 2
-        assert c.gateway.outliers.breaker(0).reopen_at == clock.now + 1.2  # doubled
+        assert c.gateway.rotation.outliers.breaker(0).ejections == 2
+        assert c.gateway.rotation.outliers.breaker(0).reopen_at == clock.now + 1.2  # doubled
         until_reopen(c, clock, 0)
         codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(6)]
         assert codes == [200] * 6
-        assert c.gateway.outliers.states()[0] is BreakerState.CLOSED
+        assert c.gateway.rotation.outliers.states()[0] is BreakerState.CLOSED
         metrics = (await client.get("/metrics")).text
         assert metric(metrics, 'gateway_replica_ejections_total{cause="outlier",replica="0"}') == 2
         assert 'gateway_replica_breaker_state{replica="0"} 0.0' in metrics
@@ -78,7 +78,7 @@ async def test_slow_429s_eject_too_but_never_the_last_replica() -> None:
         c.sim(0).faults.completion_error_delay_s = 0.05
         codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(5)]
         assert codes == [429] * 5  # the replica's own answer; ejecting it would help no one
-        assert c.gateway.outliers.states()[0] is BreakerState.CLOSED
+        assert c.gateway.rotation.outliers.states()[0] is BreakerState.CLOSED
 
 
 async def test_retry_budget_stops_retry_storms() -> None:
@@ -117,7 +117,7 @@ async def test_ejection_retries_requests_waiting_on_a_hung_replica() -> None:
         results = await asyncio.gather(*tasks)
         assert [r.status_code for r in results] == [200] * 6
         assert {r.headers["x-gateway-replica"] for r in results} == {"1"}
-        assert c.gateway.pool[0].in_flight == 0 and c.gateway.tasks.count(0) == 0
+        assert c.gateway.pool[0].in_flight == 0 and c.gateway.rotation.tasks.count(0) == 0
         metrics = (await client.get("/metrics")).text
         assert metric(metrics, "gateway_ejection_aborted_requests_total") >= 1
         c.sim(0).clear_faults()
@@ -151,7 +151,7 @@ async def test_timeouts_count_as_outlier_errors() -> None:
         c.sim(0).faults.completion_hang = -1  # /health still passes
         codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(4)]
         assert codes == [504, 504, 200, 200], codes
-        assert c.gateway.outliers.states()[0] is BreakerState.OPEN
+        assert c.gateway.rotation.outliers.states()[0] is BreakerState.OPEN
         assert c.gateway.pool[0].in_flight == 0
         c.sim(0).clear_faults()
 
@@ -162,7 +162,7 @@ async def test_idle_replica_refusing_a_probe_is_ejected_at_once() -> None:
     async with cluster(2, health_interval_s=3600, unhealthy_threshold=5) as c:
         await c.replicas[1].stop()
         before = c.gateway.pool[1].up  # idle: no request saw the refusal
-        await c.gateway.health_round()
+        await c.gateway.health.round()
         assert (before, c.gateway.pool[1].up) == (True, False), "not ejected at the first probe"
         async with httpx.AsyncClient(base_url=c.url) as client:
             metrics = (await client.get("/metrics")).text

@@ -273,7 +273,7 @@ async def test_replicas_leaving_and_joining_re_place_the_runs(tmp_path: Path) ->
                                           json=load(tmp_path, name, 1))).is_success  # fmt: skip
         gw = c.gateway
         specs = [ReplicaSpec(url=u) for u in c.replica_urls]
-        await gw.apply_membership(specs[:1])  # replica 1 leaves
+        await gw.health.apply_membership(specs[:1])  # replica 1 leaves
         placed = homes(c)
         assert sorted(len(h) for h in placed.values()) == [0, 1, 1]  # 6 slots: two runs fit
         assert all(h <= {0} for h in placed.values())
@@ -281,8 +281,8 @@ async def test_replicas_leaving_and_joining_re_place_the_runs(tmp_path: Path) ->
         async with as_run(c, left_out) as client:
             r = await client.post("/v1/completions", json={**COMPLETION, "model": "trl-policy-v1"})
             assert r.status_code == 507 and "budget is 6" in r.json()["error"]["message"]
-        await gw.apply_membership(specs)  # it comes back (as a new member)
-        await gw.health_round()
+        await gw.health.apply_membership(specs)  # it comes back (as a new member)
+        await gw.health.round()
         placed = homes(c)
         assert all(placed.values()) and sum(map(len, placed.values())) == 4
         for name in RUNS:

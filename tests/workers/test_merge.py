@@ -17,7 +17,8 @@ from gateway.core import Gateway
 from gateway.metrics import RouteKind
 from gateway.routing.policy import Decision, Reason
 from gateway.workers.merge import add_workers, merge_expositions
-from gateway.workers.worker import Follower
+from gateway.workers.snapshot import SnapshotFeed
+from gateway.workers.worker import Follower, OwnerLink
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -286,22 +287,21 @@ def test_add_workers_sums_per_replica_and_routing() -> None:
     w1.pool.acquire(0)
     w1.pool.acquire(1)
     w1.pool.release(1)  # served 1, none in flight
-    w1.admission.in_flight = 1
+    w1.ledger.admission.in_flight = 1
     rollouts(w1, [0.01, 0.02], replica=1)
     w3.pool.acquire(1)
     w3.pool.acquire(1)
-    w3.admission.in_flight = 2
+    w3.ledger.admission.in_flight = 2
     w3.metrics.record_decision(Decision(0, Reason.SPILL), 1e-5)
-    owner.admission.in_flight = 1
+    owner.ledger.admission.in_flight = 1
 
     status = owner.status()
     before = {r["index"]: (r["in_flight"], r["served"]) for r in status["replicas"]}
     assert before == {0: (1, 1), 1: (0, 0)}
     # what a worker answers, as it arrives over the channel
-    workers = [
-        orjson.loads(orjson.dumps(Follower(gw, k, "/nonexistent").status()))
-        for k, gw in ((3, w3), (1, w1))
-    ]
+    followers = [Follower(gw, k, "/nonexistent", OwnerLink(), SnapshotFeed())
+                 for k, gw in ((3, w3), (1, w1))]  # fmt: skip
+    workers = [orjson.loads(orjson.dumps(f.status())) for f in followers]
     add_workers(status, workers)
     after = {r["index"]: (r["in_flight"], r["served"]) for r in status["replicas"]}
     assert after == {0: (1 + 1, 1 + 1), 1: (0 + 0 + 2, 0 + 1 + 2)}

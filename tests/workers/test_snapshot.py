@@ -315,7 +315,7 @@ def test_capture_single_run_follows_the_pool() -> None:
     assert not up.same_state(snap)
     assert capture(gw, 3).same_state(up)  # nothing changed: nothing to publish
 
-    gw.on_connect_failure(1, "connect")  # passive ejection: out of rotation
+    gw.rotation.on_connect_failure(1, "connect")  # passive ejection: out of rotation
     down = capture(gw, 4)
     assert down.healthy == {0, 2}
     assert dict(down.cache_resets) == {1: 1}  # its prefix cache is forgotten
@@ -390,12 +390,12 @@ def test_the_feed_hands_the_router_each_new_fleet_table_once() -> None:
 
     shared = SharedState(replicas=2, workers=2)
     router = Router()
-    feed = FleetLoadsFeed(router, shared)  # type: ignore[arg-type]
-    feed()
-    feed()
+    feed = FleetLoadsFeed(shared)
+    feed.refresh(router)  # type: ignore[arg-type]
+    feed.refresh(router)  # type: ignore[arg-type]
     assert router.tables == [{0: 0, 1: 0}]
     shared.publish_loads(1, [4, 1])
     shared.publish_fleet_loads()
-    feed()
-    feed()
+    feed.refresh(router)  # type: ignore[arg-type]
+    feed.refresh(router)  # type: ignore[arg-type]
     assert router.tables == [{0: 0, 1: 0}, {0: 4, 1: 1}]
