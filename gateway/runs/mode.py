@@ -124,6 +124,12 @@ class MultiRun:
         await place_runs(fleet)
 
     async def sweep(self, fleet: RunFleet, replica: int) -> None:
+        # Not placed yet (the start's first health round admits replicas before the
+        # placement): no run is homed anywhere, so every adapter would look foreign and a
+        # restarted gateway would unload the very adapters it is about to adopt. The
+        # placement sweeps every replica itself once the homes are known.
+        if self.tenancy.budget is None:
+            return
         await sweep(fleet, replica)
 
     def collectors(self) -> list[Collector]:

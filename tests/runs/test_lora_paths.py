@@ -113,8 +113,8 @@ async def test_resolved_paths_survive_a_gateway_restart_and_a_same_path_reload(
     """The registry is rebuilt from the replicas' ``/v1/models`` roots, which are the
     resolved paths: after a restart the adapter is live again, and a reload of the same
     client path is the same resolved path, loaded again in place rather than refused.
-    Single-run mode with ``adapter_roots``: the same check (in multi-run mode a restart
-    does not adopt a run's adapters today, resolved paths or not: see the report)."""
+    Single-run mode with ``adapter_roots`` (a multi-run restart's adoption:
+    ``tests/runs/test_restart_adopts.py``)."""
     given, real = _adapter_dirs(tmp_path)
     body = {"lora_name": "trl-policy-v1", "lora_path": str(given)}
     async with sims(2, READS_PATHS) as replicas:
