@@ -36,8 +36,8 @@ async def test_a_restarted_gateway_adopts_every_runs_adapters(tmp_path: Path) ->
                             return "trl-policy-v1" in [m["id"] for m in models]
 
                         await eventually(live, "the run's adapter live again after the restart")
-                        gen = await c.post("/v1/completions",
-                                           json={**COMPLETION, "model": "trl-policy-v1"})  # fmt: skip
+                        rollout = {**COMPLETION, "model": "trl-policy-v1"}
+                        gen = await c.post("/v1/completions", json=rollout)
                         assert gen.status_code == 200, gen.text
         held = [sorted(r.app.state.sim.adapters) for r in replicas]
         assert all("run-a~trl-policy-v1" in h and "run-b~trl-policy-v1" in h for h in held), held
