@@ -51,7 +51,7 @@ async def dispatch(inbound: Inbound, gw: Gateway, entry: Entry, plan: Plan) -> R
     upstream: UpstreamResponse
     while True:
         index = ledger.attempt(entry, plan)
-        body = plan.body_for(index)
+        body = plan.body if plan.routes is None else plan.body_for(index)  # no call: hot
         try:
             with inbound.guard:
                 if lean:

@@ -198,5 +198,7 @@ class Ledger:
 
     def _release(self, entry: Entry) -> None:
         self._pool.release(entry.index)
-        assert entry.plan is not None
-        entry.plan.finished(entry.index)
+        plan = entry.plan
+        assert plan is not None
+        if plan.routes is not None:  # an adapter's copy may drain (hot path: no call else)
+            plan.finished(entry.index)

@@ -174,14 +174,19 @@ class OutlierDetector:
         """The response status ``index`` answered; ``members`` = replicas in the pool."""
         if not self.consecutive_errors:
             return None
-        b = self.breaker(index)
         if not is_failure(status):
+            # Every answer comes here: a replica that never failed has no breaker, and
+            # none is made for it (one call to the store, not two).
+            b = self.store.get(index)
+            if b is None:
+                return None
             b.consecutive_errors = 0
             if b.state is not BreakerState.HALF_OPEN:
                 return None  # an answer to a request sent before the ejection proves little
             b.state, b.ejections, b.trial_in_flight = BreakerState.CLOSED, 0, False
             self.store.open -= 1
             return OutlierEvent.RESTORED
+        b = self.breaker(index)
         b.consecutive_errors += 1
         if b.state is BreakerState.HALF_OPEN:  # the trial failed: open again, longer
             b.trial_in_flight = False

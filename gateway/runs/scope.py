@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.errors import NotFound
-from gateway.runs.table import Run, owner_of
+from gateway.runs.table import SEP, Run, owner_of
 from gateway.runs.usage import RunUsage, usage_tokens
 
 __all__ = [
@@ -67,7 +67,10 @@ def scoped_model(
     allowed = routes.candidates(model)
     # An adapter, not the base model; a name some run owns is never the base model, even
     # before the base models are known (``candidates`` says None for every name then).
-    if isinstance(model, str) and (allowed is not None or owner_of(model)):
+    # (``SEP in model`` first: the base model's rollouts, the common case, skip the call.)
+    if isinstance(model, str) and (
+        allowed is not None or (SEP in model and owner_of(model) is not None)
+    ):
         body = tenant.scope_rollout(payload, body)
         if payload["model"] != model:  # the run's name on the replicas
             model = payload["model"]
