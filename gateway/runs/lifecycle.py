@@ -23,9 +23,26 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gateway.adapters.placement import Placement, PlacementError, place
+from gateway.config import RunSpec
 from gateway.runs.table import Run, RunTable
 
-__all__ = ["RunPlan", "plan", "replace"]
+__all__ = ["RunPlan", "plan", "replace", "run_table_of"]
+
+
+def run_table_of(specs: Iterable[RunSpec]) -> RunTable:
+    """The configured runs (``runs:``) as the gateway knows them."""
+    return RunTable(
+        Run(
+            s.name,
+            s.key.get_secret_value().encode(),
+            s.max_staleness,
+            (s.adapter_root,),
+            s.max_in_flight,
+            s.remove_grace_s,
+            s.key_overlap_s,
+        )
+        for s in specs
+    )
 
 
 @dataclass(frozen=True, slots=True)

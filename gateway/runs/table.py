@@ -33,6 +33,10 @@ class Run:
     max_staleness: int
     roots: tuple[Path, ...] = ()
     max_in_flight: int | None = None
+    remove_grace_s: float = 30.0
+    """Once a reload removed it: how long its rollouts may finish before they are aborted."""
+    key_overlap_s: float = 60.0
+    """Once a reload rotated its key: how long the old one keeps working."""
     prefix: str = field(init=False, repr=False, compare=False)
     """``NAME~`` on the replicas ("" in single-run mode); read on every rollout: stored."""
 
