@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import yaml
+from rollout_testbed.procs import sim_fleet
 from rollout_testbed.serve import serve_asgi
 from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.latency import LatencyModel
@@ -241,3 +242,37 @@ async def test_a_reload_under_workers_is_refused_naming_the_restart(tmp_path: Pa
         assert "--workers" in r.json()["error"]["message"]
         assert "restart" in r.json()["error"]["message"]
         assert list(g.gateway.tenancy.tenants) == ["run-a"]
+
+
+async def test_a_reload_under_real_workers_is_refused_by_every_process(tmp_path: Path) -> None:
+    """``serve --workers 2``: whichever process a connection reaches, the reload is refused
+    (501) and the runs stay as they were; the processes keep serving."""
+    config = tmp_path / "gateway.yaml"
+    runs = [spec(tmp_path, "run-a")]
+    config.write_text(yaml.safe_dump({"runs": runs, "lora_slots_per_replica": 6,
+                                      "admin_key": ADMIN}))  # fmt: skip
+    args = ["--workers", "2", "--config", str(config)]
+    with sim_fleet(1, tmp_path, gateway_args=args) as fleet:
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "runs": [*runs, spec(tmp_path, "run-b")],
+                    "lora_slots_per_replica": 6,
+                    "admin_key": ADMIN,
+                }
+            )
+        )
+
+        async def once() -> int:  # a fresh connection each: both workers take some
+            headers = {"Authorization": f"Bearer {ADMIN}"}
+            async with httpx.AsyncClient(base_url=fleet.url, headers=headers, timeout=30) as c:
+                r = await c.post(RELOAD)
+                assert "--workers" in r.json()["error"]["message"], r.text
+                return r.status_code
+
+        assert set(await asyncio.gather(*(once() for _ in range(8)))) == {501}
+        async with httpx.AsyncClient(base_url=fleet.url, timeout=30) as c:
+            status = await c.get("/gateway/status", headers={"Authorization": f"Bearer {ADMIN}"})
+            assert [r["name"] for r in status.json()["runs"]] == ["run-a"]
+            b = await c.get("/v1/models", auth=("run-b", "key-run-b"))
+            assert b.status_code == 401
