@@ -250,8 +250,7 @@ class MultiRun:
             for tenant in added:
                 tenancy.start_chores(tenant, settings.adapter_audit_interval_s)
             await asyncio.gather(*(t.manager.rebuild() for t in added))
-            lost = {r for change, _, r in moves if change is Change.LOSE}
-            await asyncio.gather(*(sweep(fleet, r) for r in sorted(lost)))
+            await self._moved(fleet, moves, {t.name for t in added})
             for name in plan.rotated:
                 key, overlap = old_keys[name], tenancy.tenants[name].run.key_overlap_s
                 if key is not None and overlap > 0:
@@ -268,6 +267,20 @@ class MultiRun:
                      list(plan.removed), list(plan.rotated), list(plan.limited))  # fmt: skip
             unplaced = {t.name: t.unplaced for t in tenancy if t.unplaced is not None}
             return {"outcome": outcome, **plan.summary(), "unplaced": unplaced}
+
+    async def _moved(self, fleet: RunFleet, moves: Sequence[tuple[Change, str, int]],
+                     skip: set[str]) -> None:  # fmt: skip
+        """After a re-placement: replicas where runs lost homes are swept first, then each
+        home a kept run gained is reconciled (its live versions loaded) at once, so that
+        it serves the run now rather than after the next health round."""
+        lost = {r for change, _, r in moves if change is Change.LOSE}
+        await asyncio.gather(*(sweep(fleet, r) for r in sorted(lost)))
+        healthy = set(fleet.pool.healthy_indices())
+        tenants = self.tenancy.tenants
+        gained = [(tenants[run], r) for change, run, r in moves
+                  if change is Change.GAIN and run in tenants and run not in skip
+                  and r in healthy]  # fmt: skip
+        await asyncio.gather(*(t.manager.reconcile(r) for t, r in gained))
 
     def _count(self, outcome: str) -> None:
         reloads = self.tenancy.reloads
@@ -292,6 +305,7 @@ class MultiRun:
         homes = sorted(tenant.homes)
         unloaded = await asyncio.gather(*(unload_run(fleet, r, name) for r in homes))
         moves = self.tenancy.gone(name)
+        await self._moved(fleet, moves, {name})
         gained = sorted({(run, r) for change, run, r in moves if change is Change.GAIN})
         log.info("run %s removed: %d adapters unloaded from replicas %s; its slots went to %s",
                  name, sum(unloaded), homes, gained)  # fmt: skip

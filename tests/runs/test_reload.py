@@ -151,6 +151,36 @@ async def test_a_removed_run_stops_at_once_and_its_rollout_is_aborted_after_its_
             await eventually(loads, "the run that did not fit loads")
 
 
+async def test_a_removed_runs_held_rollouts_are_answered_after_its_grace(tmp_path: Path) -> None:
+    # removed while its scoped /pause holds a rollout: its key can no longer /resume, so
+    # the held rollout is answered (503) once the grace is over, not held for ever
+    a, b = spec(tmp_path, "run-a", remove_grace_s=0.3), spec(tmp_path, "run-b")
+    async with live(tmp_path, [a, b]) as g, g.run("run-a") as ra:
+        assert (await ra.post("/pause", params={"mode": "keep"})).status_code == 200
+        body = {**COMPLETION, "model": "tiny-base"}
+        held = asyncio.ensure_future(ra.post("/v1/completions", json=body))
+        await eventually(lambda: g.tenant("run-a").in_flight == 1, "the rollout held")
+        g.write([b])
+        assert (await g.reload()).json()["removed"] == ["run-a"]
+        answer = await asyncio.wait_for(held, 10)
+        assert answer.status_code == 503 and "removed" in answer.json()["error"]["message"]
+        await eventually(lambda: not g.gateway.tenancy.leaving, "run-a gone")
+
+
+async def test_a_larger_budget_places_the_run_that_did_not_fit(tmp_path: Path) -> None:
+    runs = [spec(tmp_path, n) for n in ("run-a", "run-b", "run-c")]
+    async with live(tmp_path, runs, n=1) as g:
+        waiting = next(t.name for t in g.gateway.tenancy if not t.homes)
+        g.write(runs, lora_slots_per_replica=9)
+        r = await g.reload()
+        assert r.status_code == 200 and r.json()["outcome"] == "applied", r.text
+        assert r.json()["unplaced"] == {} and g.tenant(waiting).homes == {0}
+        async with g.run(waiting) as client:
+            loaded = await client.post("/v1/load_lora_adapter", json=load(tmp_path, waiting, 1))
+            assert loaded.status_code == 200, loaded.text
+        assert (await g.reload()).json()["outcome"] == "unchanged"
+
+
 async def test_a_rotated_key_works_for_its_overlap_then_stops(tmp_path: Path) -> None:
     a = spec(tmp_path, "run-a", key_overlap_s=1.0)
     async with live(tmp_path, [a]) as g:
