@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -420,17 +421,18 @@ def _errors(exc: ValidationError, where: str) -> str:
     return "; ".join(found)
 
 
-def config_stamp(settings: Settings) -> tuple[int, int] | None:
-    """The config file's (modification time, size) now, if the runs came from it (a
-    reload is due when it changes); None if there is none or it cannot be read."""
+def config_stamp(settings: Settings) -> tuple[int, int, int] | None:
+    """The config file's (modification time, size, checksum) now, if the runs came from
+    it (a reload is due when it changes); None if there is none or it cannot be read."""
     source = settings._source
     if source is None or not source.runs_from_file:
         return None
     try:
         stat = source.path.stat()
+        content = source.path.read_bytes()
     except OSError:
         return None
-    return stat.st_mtime_ns, stat.st_size
+    return stat.st_mtime_ns, stat.st_size, zlib.crc32(content)
 
 
 def reread_runs(settings: Settings) -> RunSet:

@@ -291,6 +291,20 @@ def test_an_invalid_run_set_is_refused_naming_the_problem_never_a_key(
     assert expected in str(caught.value) and "secret" not in str(caught.value)
 
 
+def test_the_stamp_changes_with_the_files_content(tmp_path: Path) -> None:
+    import os
+
+    from gateway.config import config_stamp
+
+    path = _runs_file(tmp_path, RUN_A)
+    settings = load_settings(config_file=path, environ={})
+    first, stat = config_stamp(settings), path.stat()
+    _runs_file(tmp_path, RUN_A.replace("secret-a", "secret-z"))  # same size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same time
+    assert config_stamp(settings) not in (first, None)
+    assert config_stamp(load_settings(environ={})) is None
+
+
 def test_runs_from_flags_or_env_cannot_be_reloaded(tmp_path: Path) -> None:
     from gateway.config import reread_runs
 
