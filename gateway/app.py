@@ -48,6 +48,7 @@ from gateway.routing.config import RoutingConfig
 from gateway.routing.policy import make_router
 from gateway.routing.selection import Selection
 from gateway.runs.credentials import Credentials
+from gateway.runs.lifecycle import run_table_of
 from gateway.runs.mode import mode_for
 from gateway.runs.table import Run, RunTable
 from gateway.runs.tenancy import OWN_ROUTES, RoutesSource, Tenancy
@@ -175,17 +176,7 @@ def run_table(settings: Settings) -> RunTable:
     if not settings.runs:
         roots = tuple(Path(p) for p in settings.adapter_roots)
         return RunTable([Run("", None, settings.max_staleness, roots)])
-    runs = [
-        Run(
-            r.name,
-            r.key.get_secret_value().encode(),
-            r.max_staleness,
-            (r.adapter_root,),
-            r.max_in_flight,
-        )
-        for r in settings.runs
-    ]
-    return RunTable(runs)
+    return run_table_of(settings.runs)
 
 
 async def _first_minute(gateway: Gateway) -> list[int]:
@@ -271,25 +262,24 @@ def create_app(
         await health.round(sync_adapters=False)
         await gateway.mode.start(gateway.fleet)
         await asyncio.gather(*(m.rebuild() for m in gateway.tenancy.managers()))
+        for tenant in gateway.tenancy:
+            gateway.tenancy.start_chores(tenant, settings.adapter_audit_interval_s)
         tasks = [
             asyncio.create_task(health.loop(), name="gateway-health"),
-            *(
-                asyncio.create_task(t.manager.run_ticks(), name=f"gateway-adapter-ticks{t.name}")
-                for t in gateway.tenancy
-            ),
-            *(
-                asyncio.create_task(
-                    t.manager.run_audits(settings.adapter_audit_interval_s),
-                    name=f"gateway-adapter-audits{t.name}",
-                )
-                for t in gateway.tenancy
-            ),
+            # multi-run mode: the run set is reloaded when the config file changes
+            asyncio.create_task(gateway.mode.watch(gateway.fleet), name="gateway-runs-watch"),
         ]
-        hup = False
         if discovery.dynamic:
             tasks.append(asyncio.create_task(discovery.run(), name="gateway-discovery"))
+
+        def hangup() -> None:  # SIGHUP: re-read the replicas file and the run set now
+            discovery.wake()
+            gateway.mode.wake()
+
+        hup = False
+        if discovery.dynamic or gateway.mode.reloads_runs:
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
-                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, discovery.wake)
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, hangup)
                 hup = True
         healthy = await _first_minute(gateway)
         log.info(
@@ -309,6 +299,8 @@ def create_app(
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+            await gateway.mode.aclose()
+            await gateway.tenancy.stop_chores()
             await asyncio.gather(*(m.aclose() for m in gateway.tenancy.managers()))
             await gateway.upstream.aclose()
 

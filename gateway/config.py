@@ -20,12 +20,23 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -36,7 +47,15 @@ from pydantic_settings import (
 
 from gateway.routing.config import RoutingConfig
 
-__all__ = ["ReplicaSpec", "RunSpec", "Settings", "load_settings"]
+__all__ = [
+    "ReplicaSpec",
+    "RunSet",
+    "RunSpec",
+    "Settings",
+    "config_stamp",
+    "load_settings",
+    "reread_runs",
+]
 
 _SECRET_FIELDS = ("upstream_token", "api_key", "admin_key")
 _FILE_FORMS = tuple(f"{name}_file" for name in _SECRET_FIELDS)
@@ -101,6 +120,11 @@ class RunSpec(BaseModel):
     adapter_root: Path
     max_staleness: int = Field(4, ge=0)
     max_in_flight: int | None = Field(None, ge=1)
+    remove_grace_s: float = Field(30.0, ge=0)
+    """Once a reload removed it: its rollouts in flight may finish this long, then are
+    aborted (503), before its adapters are unloaded."""
+    key_overlap_s: float = Field(60.0, ge=0)
+    """Once a reload rotated its key: the old key keeps working this long."""
 
     @model_validator(mode="before")
     @classmethod
@@ -133,7 +157,10 @@ class Settings(BaseSettings):
         None, description="File listing replicas; re-read on change or SIGHUP."
     )
     discovery_interval_s: float = Field(
-        5.0, gt=0, description="How often DNS is re-resolved and the replicas file checked."
+        5.0,
+        gt=0,
+        description="How often DNS is re-resolved and the replicas file checked (and, "
+        "with runs, the config file for a changed run set).",
     )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
@@ -294,16 +321,12 @@ class Settings(BaseSettings):
     def _parse_runs(cls, value: Any) -> Any:
         return yaml.safe_load(value) if isinstance(value, str) else value
 
+    _source: _FileSource | None = PrivateAttr(None)
+    """The config file as read at start (``load_settings``): what a reload re-reads."""
+
     @model_validator(mode="after")
     def _check_runs(self) -> Settings:
-        names = [r.name for r in self.runs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"run names must be unique: {names}")
-        keys = [r.key.get_secret_value() for r in self.runs]
-        if len(set(keys)) != len(keys):
-            raise ValueError("every run needs its own key (a key identifies the run)")
-        if self.runs and self.api_key is not None:
-            raise ValueError("api_key and runs exclude each other: each run has its own key")
+        _check_run_set(self.runs, self.api_key)
         if self.workers != 1 and (self.discovery_dns or self.replicas_file):
             raise ValueError("workers > 1 needs a static replica list (no discovery yet)")
         return self
@@ -335,6 +358,117 @@ class Settings(BaseSettings):
     def token_for(self, index: int) -> SecretStr | None:
         """The bearer token for replica ``index``: its own, else the global one."""
         return self.replicas[index].token or self.upstream_token
+
+
+def _check_run_set(runs: Iterable[RunSpec], api_key: SecretStr | None) -> None:
+    """The run set as a whole: names and keys unique, no ``api_key`` beside it."""
+    runs = list(runs)
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"run names must be unique: {names}")
+    keys = [r.key.get_secret_value() for r in runs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("every run needs its own key (a key identifies the run)")
+    if runs and api_key is not None:
+        raise ValueError("api_key and runs exclude each other: each run has its own key")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FileSource:
+    path: Path
+    data: Mapping[str, Any]
+    """The file's settings as read at start (raw): a reload warns of those that changed."""
+    runs_from_file: bool
+    """Whether ``runs`` (and ``lora_slots_per_replica``) came from the file: a flag or
+    the environment above it wins, and a reload of the file could not change them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSet:
+    """The run set a reload re-read from the config file, validated as at start."""
+
+    runs: tuple[RunSpec, ...]
+    lora_slots_per_replica: int | None
+    ignored: tuple[str, ...]
+    """Other settings that changed in the file: a reload does not apply them."""
+
+
+_RELOADED = ("runs", "lora_slots_per_replica")
+_RUN_LIST = TypeAdapter(list[RunSpec])
+_SLOTS = TypeAdapter(Annotated[int | None, Field(ge=1)])
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:  # its text may quote a line holding a key: never shown
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ValueError(f"config file {path} is not valid YAML{where}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config file {path} must hold a mapping")
+    data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
+    _check_keys(data, [*Settings.model_fields, *_FILE_FORMS], f"setting in {path}")
+    return data
+
+
+def _errors(exc: ValidationError, where: str) -> str:
+    """A validation error without the values it refused (a key may be one)."""
+    found = []
+    for e in exc.errors(include_url=False, include_input=False, include_context=False):
+        at = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"])
+        found.append(f"{where}{at}: {e['msg']}")
+    return "; ".join(found)
+
+
+def config_stamp(settings: Settings) -> tuple[int, int, int] | None:
+    """The config file's (modification time, size, checksum) now, if the runs came from
+    it (a reload is due when it changes); None if there is none or it cannot be read."""
+    source = settings._source
+    if source is None or not source.runs_from_file:
+        return None
+    try:
+        stat = source.path.stat()
+        content = source.path.read_bytes()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size, zlib.crc32(content)
+
+
+def reread_runs(settings: Settings) -> RunSet:
+    """The config file's ``runs:`` and ``lora_slots_per_replica`` now, validated as at
+    start (each run, then the set: names and keys unique); ``ValueError`` naming the
+    problem (never a key) if the set cannot be used."""
+    source = settings._source
+    if source is None:
+        raise ValueError("the runs were not read from a config file: a reload needs one "
+                         "(--config / GATEWAY_CONFIG) holding runs:")  # fmt: skip
+    if not source.runs_from_file:
+        raise ValueError("runs are set by a flag or the environment, which a reload cannot "
+                         "re-read: set them in the config file to reload them")  # fmt: skip
+    try:
+        data = _read_file(source.path)
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {source.path}: {exc.strerror}") from None
+    if "runs" not in data:
+        raise ValueError(f"config file {source.path} has no runs: (an empty list removes "
+                         "every run; leaving it out is taken for a mistake)")  # fmt: skip
+    try:
+        runs = _RUN_LIST.validate_python(data["runs"] or [])
+    except ValidationError as exc:
+        raise ValueError(_errors(exc, "runs")) from None
+    try:
+        slots = _SLOTS.validate_python(data.get("lora_slots_per_replica"))
+    except ValidationError as exc:
+        raise ValueError(_errors(exc, "lora_slots_per_replica")) from None
+    if not runs:
+        raise ValueError("runs: is empty: a multi-run gateway keeps at least one run "
+                         "(single-run mode needs a restart)")  # fmt: skip
+    _check_run_set(runs, settings.api_key)
+    before = {k: v for k, v in source.data.items() if k not in _RELOADED}
+    after = {k: v for k, v in data.items() if k not in _RELOADED}
+    ignored = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    return RunSet(tuple(runs), slots, tuple(ignored))
 
 
 def _env_values(environ: Mapping[str, str]) -> dict[str, str]:
@@ -384,12 +518,12 @@ def load_settings(
     env_data: dict[str, Any] = dict(_env_values(env))
     path = config_file or env.get("GATEWAY_CONFIG")
     file_data: dict[str, Any] = {}
+    source = None
     if path:
-        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"config file {path} must hold a mapping")
-        file_data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
-        _check_keys(file_data, [*Settings.model_fields, *_FILE_FORMS], f"setting in {path}")
+        file_data = _read_file(Path(path))
+        shadowed = any(k in layer for layer in (flag_data, env_data) for k in _RELOADED)
+        runs_from_file = "runs" in file_data and not shadowed
+        source = _FileSource(Path(path), dict(file_data), runs_from_file)
     _pick_secrets({"flags": flag_data, "the environment": env_data, "the config file": file_data})
 
     class _Sourced(Settings):
@@ -410,4 +544,6 @@ def load_settings(
                 InitSettingsSource(settings_cls, file_data),
             )
 
-    return _Sourced(**flag_data)
+    settings = _Sourced(**flag_data)
+    settings._source = source
+    return settings

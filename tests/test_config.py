@@ -240,3 +240,79 @@ def test_a_non_string_secret_in_yaml_is_an_error_even_when_shadowed(tmp_path: Pa
         load_settings({"api_key": "flag-key"}, config_file=cfg, environ={})
     assert "api_key given by the config file must be a string" in str(info.value)
     assert "8675309" not in str(info.value)
+
+
+def _runs_file(tmp_path: Path, runs: str, extra: str = "") -> Path:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(f"replicas: [http://r0:8000]\nlora_slots_per_replica: 6\n{extra}runs:\n{runs}")
+    return path
+
+
+RUN_A = "  - {name: run-a, key: secret-a, adapter_root: /a}\n"
+RUN_B = "  - {name: run-b, key: secret-b, adapter_root: /b, max_in_flight: 4}\n"
+
+
+def test_a_reload_rereads_the_runs_and_names_other_changed_settings(tmp_path: Path) -> None:
+    from gateway.config import reread_runs
+
+    path = _runs_file(tmp_path, RUN_A)
+    settings = load_settings(config_file=path, environ={})
+    assert [r.name for r in reread_runs(settings).runs] == ["run-a"]
+    _runs_file(tmp_path, RUN_A + RUN_B, extra="router: random\n")
+    found = reread_runs(settings)
+    assert [r.name for r in found.runs] == ["run-a", "run-b"] and found.runs[1].max_in_flight == 4
+    assert found.lora_slots_per_replica == 6 and found.ignored == ("router",)
+
+
+@pytest.mark.parametrize(
+    ("runs", "expected"),
+    [
+        (RUN_A + RUN_A.replace("secret-a", "other"), "run names must be unique"),
+        (RUN_A + RUN_B.replace("secret-b", "secret-a"), "its own key"),
+        ("  - {name: Bad_Name, key: secret-x, adapter_root: /x}\n", "runs[0].name"),
+        ("  - {name: run-x, key: [secret-x], adapter_root: /x}\n", "runs[0].key"),
+        (
+            "  - {name: run-x, key: secret-x, adapter_root: /x, max_staleness: -1}\n",
+            "max_staleness",
+        ),
+        ("  - {name: run-x, key: 'secret-x\n", "not valid YAML"),
+        ("  []\n", "runs: is empty"),
+    ],
+)
+def test_an_invalid_run_set_is_refused_naming_the_problem_never_a_key(
+    tmp_path: Path, runs: str, expected: str
+) -> None:
+    from gateway.config import reread_runs
+
+    settings = load_settings(config_file=_runs_file(tmp_path, RUN_A), environ={})
+    _runs_file(tmp_path, runs)
+    with pytest.raises(ValueError) as caught:
+        reread_runs(settings)
+    assert expected in str(caught.value) and "secret" not in str(caught.value)
+
+
+def test_the_stamp_changes_with_the_files_content(tmp_path: Path) -> None:
+    import os
+
+    from gateway.config import config_stamp
+
+    path = _runs_file(tmp_path, RUN_A)
+    settings = load_settings(config_file=path, environ={})
+    first, stat = config_stamp(settings), path.stat()
+    _runs_file(tmp_path, RUN_A.replace("secret-a", "secret-z"))  # same size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same time
+    assert config_stamp(settings) not in (first, None)
+    assert config_stamp(load_settings(environ={})) is None
+
+
+def test_runs_from_flags_or_env_cannot_be_reloaded(tmp_path: Path) -> None:
+    from gateway.config import reread_runs
+
+    path = _runs_file(tmp_path, RUN_A)
+    flagged = load_settings({"runs": [{"name": "run-z", "key": "kz", "adapter_root": "/z"}]},
+                            config_file=path, environ={})  # fmt: skip
+    with pytest.raises(ValueError, match="flag or the environment"):
+        reread_runs(flagged)
+    with pytest.raises(ValueError, match="config file"):
+        reread_runs(load_settings({"runs": [{"name": "z", "key": "k", "adapter_root": "/"}]},
+                                  environ={}))  # fmt: skip

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
          "adapters.state", "adapters.placement", "adapters.checks", "fleet.quorum",
          "fleet.outliers", "fleet.retry_budget", "fleet.admission", "fleet.aborts",
          "fleet.replicas", "fleet.discovery", "runs.table", "runs.scope", "runs.usage",
-         "workers.merge",
+         "runs.lifecycle", "workers.merge",
          "workers.channel", "api.cache_salt"),
     ),
     (

@@ -13,6 +13,7 @@ path                                       kind        behaviour
 anything else                              FORWARDED   one healthy replica (least loaded);
                                                        a run: its homes, its names only
 /metrics, /gateway/status                  GATEWAY     the gateway's own
+/gateway/runs/reload                       GATEWAY     the admin key: reload the run set
 =========================================  ==========  ==========================================
 
 Handlers parse a body at most once, ask the router for a decision, let ``upstream`` do the

@@ -12,8 +12,9 @@ from gateway.api.auth import require_viewer
 from gateway.api.broadcast import CONTROL_HANDLERS
 from gateway.api.fanin import health, models, server_info
 from gateway.api.forward import forwarded
+from gateway.api.requests import header
 from gateway.api.responses import gateway_of, json_response
-from gateway.errors import MethodNotAllowed
+from gateway.errors import MethodNotAllowed, Unauthorized
 from gateway.http.server.h1server import ROUTED_PATHS
 from gateway.metrics import CONTENT_TYPE
 
@@ -32,6 +33,18 @@ async def status(request: Request) -> Response:
     data = gw.status(require_viewer(request))
     await gw.peers.add_status(data)
     return json_response(data)
+
+
+async def reload_runs(request: Request) -> Response:
+    """``POST /gateway/runs/reload`` (the admin key): re-read the config file's runs and
+    apply them live (docs/many-runs.md, "Runs join and leave live"); 400 naming the
+    problem if the new set is invalid (the old one keeps serving)."""
+    gw = gateway_of(request)
+    if not gw.credentials.admin_keys:
+        raise Unauthorized("Reloading the runs needs the admin key, and none is set.",
+                           headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+    gw.credentials.check_admin(header(request, b"authorization"))
+    return json_response(await gw.mode.reload(gw.fleet, "POST /gateway/runs/reload"))
 
 
 def _method_not_allowed(allowed: Sequence[str]) -> Callable[[Request], Awaitable[Response]]:
@@ -66,5 +79,6 @@ def build_routes() -> list[BaseRoute]:
     routes += _with_405("/v1/models", models, ["GET"])
     routes += _with_405("/metrics", metrics, ["GET"])
     routes += _with_405("/gateway/status", status, ["GET"])
+    routes += _with_405("/gateway/runs/reload", reload_runs, ["POST"])
     routes.append(Route("/{path:path}", forwarded, methods=list(_ALL_METHODS)))
     return routes

@@ -55,3 +55,10 @@ class RunCollector(Collector):
             for status_class, count in sorted(tenant.usage.rollouts.items()):
                 answered.add_metric([tenant.name, status_class], count)
         yield answered
+        reloads = CounterMetricFamily(
+            "gateway_run_reloads", "Reloads of the run set (docs/many-runs.md), by outcome: "
+            "applied, unchanged, refused.", labels=["outcome"],
+        )  # fmt: skip
+        for outcome in ("applied", "unchanged", "refused"):
+            reloads.add_metric([outcome], self._tenancy.reloads.get(outcome, 0))
+        yield reloads

@@ -12,6 +12,8 @@ scope: ``gateway.runs.tenancy.Tenant``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -19,8 +21,11 @@ from typing import Any, Protocol
 from prometheus_client.registry import Collector
 
 from gateway.adapters.placement import Change
+from gateway.config import config_stamp, reread_runs
+from gateway.errors import BadRequest, GatewayError
+from gateway.runs.lifecycle import run_table_of
 from gateway.runs.metrics import RunCollector
-from gateway.runs.placing import RunFleet, place_runs, sweep
+from gateway.runs.placing import RunFleet, place_runs, sweep, unload_run
 from gateway.runs.table import RunTable
 from gateway.runs.tenancy import Tenancy, Tenant
 
@@ -30,6 +35,9 @@ log = logging.getLogger("gateway.runs")
 
 
 class RunMode(Protocol):
+    reloads_runs: bool
+    """Whether its run set is reloaded live (SIGHUP, the config file, the admin POST)."""
+
     def viewer(self, admin: bool, client: Callable[[], object], run: Callable[[], Tenant]
                ) -> Tenant | None:  # fmt: skip
         """``/gateway/status``: who asks (``admin``: the admin key was presented); None
@@ -65,9 +73,40 @@ class RunMode(Protocol):
         """The adapter part of ``/gateway/status``."""
         ...
 
+    async def reload(self, fleet: RunFleet, why: str) -> dict[str, Any]:
+        """Re-read the run set from the config file and apply it live (multi-run mode;
+        docs/many-runs.md, "Runs join and leave live"); an error answer otherwise."""
+        ...
+
+    async def watch(self, fleet: RunFleet) -> None:
+        """Reload when the config file changes or on ``wake`` (SIGHUP), until cancelled."""
+        ...
+
+    def wake(self) -> None: ...
+
+    async def aclose(self) -> None:
+        """Stop what reloads started (removals still draining)."""
+        ...
+
+
+class NeedsRestart(GatewayError):
+    """A reload this gateway cannot apply live: 409, naming why."""
+
+    status = 409
+    err_type = "Conflict"
+
+
+class ReloadUnsupported(GatewayError):
+    """``serve --workers N``: each process holds the runs; a reload needs a restart."""
+
+    status = 501
+    err_type = "NotImplemented"
+
 
 class SingleRun:
     """One implicit run, homed everywhere: every method is the identity or the run's."""
+
+    reloads_runs = False
 
     def __init__(self, tenancy: Tenancy) -> None:
         self.run = tenancy.single()
@@ -105,12 +144,31 @@ class SingleRun:
     def adapter_status(self, viewer: Tenant | None) -> dict[str, Any]:
         return {"adapters": self.run.manager.status()}
 
+    async def reload(self, fleet: RunFleet, why: str) -> dict[str, Any]:
+        raise NeedsRestart("This gateway runs in single-run mode (no runs: configured): "
+                           "switching to runs needs a restart.")  # fmt: skip
+
+    async def watch(self, fleet: RunFleet) -> None:
+        return None
+
+    def wake(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
 
 class MultiRun:
     """Named runs, each on its home replicas (``Tenancy.place``), each seeing itself."""
 
+    reloads_runs = True
+
     def __init__(self, tenancy: Tenancy) -> None:
         self.tenancy = tenancy
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._removals: set[asyncio.Task[None]] = set()
+        self._expiries: list[asyncio.TimerHandle] = []
 
     def viewer(self, admin: bool, client: Callable[[], object], run: Callable[[], Tenant]
                ) -> Tenant | None:  # fmt: skip
@@ -161,6 +219,126 @@ class MultiRun:
             "lora_slots_per_replica": tenancy.budget,
             "adapters": {t.name: t.manager.status() for t in tenancy},
         }
+
+    # -- runs join and leave live
+
+    async def reload(self, fleet: RunFleet, why: str) -> dict[str, Any]:
+        settings = fleet.settings
+        if settings.worker_count() != 1:
+            self._count("refused")
+            raise ReloadUnsupported(
+                "Reloading the runs is not supported with serve --workers N: every process "
+                "holds the run set; restart the gateway to apply the config file's runs."
+            )
+        async with self._lock:
+            try:
+                found = reread_runs(settings)
+            except ValueError as exc:
+                raise self._refuse(str(exc), why) from None
+            tenancy = self.tenancy
+            old_keys = {t.name: t.run.key for t in tenancy}
+            plan, added, moves = tenancy.apply(
+                run_table_of(found.runs), found.lora_slots_per_replica
+            )
+            if plan.refused is not None:
+                raise self._refuse(plan.refused, why)
+            for name in found.ignored:
+                log.warning("runs reload (%s): %s changed in the config file; a reload applies "
+                            "only runs and lora_slots_per_replica: restart to apply it",
+                            why, name)  # fmt: skip
+            loop = asyncio.get_running_loop()
+            for tenant in added:
+                tenancy.start_chores(tenant, settings.adapter_audit_interval_s)
+            await asyncio.gather(*(t.manager.rebuild() for t in added))
+            await self._moved(fleet, moves, {t.name for t in added})
+            for name in plan.rotated:
+                key, overlap = old_keys[name], tenancy.tenants[name].run.key_overlap_s
+                if key is not None and overlap > 0:
+                    self._expiries.append(loop.call_later(overlap, tenancy.expire_key, name, key))
+            for name in plan.removed:
+                task = loop.create_task(self._remove(fleet, tenancy.leaving[name]),
+                                        name=f"gateway-run-remove-{name}")  # fmt: skip
+                self._removals.add(task)
+                task.add_done_callback(self._removals.discard)
+            outcome = "applied" if plan or moves else "unchanged"
+            self._count(outcome)
+            log.info("runs reload (%s): %s: added %s, removed %s, key rotated %s, "
+                     "max_in_flight changed %s", why, outcome, list(plan.added),
+                     list(plan.removed), list(plan.rotated), list(plan.limited))  # fmt: skip
+            unplaced = {t.name: t.unplaced for t in tenancy if t.unplaced is not None}
+            return {"outcome": outcome, **plan.summary(), "unplaced": unplaced}
+
+    async def _moved(self, fleet: RunFleet, moves: Sequence[tuple[Change, str, int]],
+                     skip: set[str]) -> None:  # fmt: skip
+        """After a re-placement: replicas where runs lost homes are swept first, then each
+        home a kept run gained is reconciled (its live versions loaded) at once, so that
+        it serves the run now rather than after the next health round."""
+        lost = {r for change, _, r in moves if change is Change.LOSE}
+        await asyncio.gather(*(sweep(fleet, r) for r in sorted(lost)))
+        healthy = set(fleet.pool.healthy_indices())
+        tenants = self.tenancy.tenants
+        gained = [(tenants[run], r) for change, run, r in moves
+                  if change is Change.GAIN and run in tenants and run not in skip
+                  and r in healthy]  # fmt: skip
+        await asyncio.gather(*(t.manager.reconcile(r) for t, r in gained))
+
+    def _count(self, outcome: str) -> None:
+        reloads = self.tenancy.reloads
+        reloads[outcome] = reloads.get(outcome, 0) + 1
+
+    def _refuse(self, problem: str, why: str) -> GatewayError:
+        self._count("refused")
+        log.error("runs reload (%s) refused, the old run set keeps serving: %s", why, problem)
+        return BadRequest(f"Run set not reloaded, the old one keeps serving: {problem}")
+
+    async def _remove(self, fleet: RunFleet, tenant: Tenant) -> None:
+        """A removed run: its rollouts finish (or are aborted after its grace), then its
+        adapters are unloaded from its homes, then its slots are freed."""
+        name, grace = tenant.name, tenant.run.remove_grace_s
+        if not await tenant.drained(grace):
+            aborted = tenant.abort_removed()
+            log.warning("run %s removed: %d rollouts still in flight after %.0f s, aborted",
+                        name, aborted, grace)  # fmt: skip
+            await tenant.drained(fleet.settings.broadcast_timeout_s)
+        await self.tenancy.stop_chores([tenant])
+        await tenant.manager.aclose()
+        homes = sorted(tenant.homes)
+        unloaded = await asyncio.gather(*(unload_run(fleet, r, name) for r in homes))
+        moves = self.tenancy.gone(name)
+        await self._moved(fleet, moves, {name})
+        gained = sorted({(run, r) for change, run, r in moves if change is Change.GAIN})
+        log.info("run %s removed: %d adapters unloaded from replicas %s; its slots went to %s",
+                 name, sum(unloaded), homes, gained)  # fmt: skip
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def watch(self, fleet: RunFleet) -> None:
+        settings = fleet.settings
+        stamp = await asyncio.to_thread(config_stamp, settings)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(settings.discovery_interval_s):
+                    await self._wake.wait()
+            woke, now = self._wake.is_set(), await asyncio.to_thread(config_stamp, settings)
+            self._wake.clear()
+            if not woke and now == stamp:
+                continue
+            stamp = now
+            try:
+                await self.reload(fleet, "SIGHUP" if woke else "config file changed")
+            except GatewayError as exc:
+                if exc.status != 400:  # a refused set was logged as such
+                    log.error("runs reload: %s", exc.message)
+            except Exception:  # the watch must outlive any one bad reload
+                log.exception("runs reload failed")
+
+    async def aclose(self) -> None:
+        for handle in self._expiries:
+            handle.cancel()
+        for task in list(self._removals):
+            task.cancel()
+        await asyncio.gather(*self._removals, return_exceptions=True)
 
 
 def mode_for(table: RunTable, tenancy: Tenancy) -> RunMode:

@@ -39,7 +39,7 @@ class RunFleet(Protocol):
     ) -> list[BufferedResponse]: ...  # fmt: skip
 
 
-__all__ = ["RunFleet", "place_runs", "sweep"]
+__all__ = ["RunFleet", "place_runs", "sweep", "unload_run"]
 
 log = logging.getLogger("gateway.runs")
 
@@ -96,6 +96,21 @@ async def sweep(gw: RunFleet, replica: int) -> int:
         log.info("replica %d: unloaded %d adapters no run homed there owns",
                  replica, len(foreign))  # fmt: skip
     return len(foreign)
+
+
+async def unload_run(gw: RunFleet, replica: int, run: str) -> int:
+    """Unload from ``replica`` every adapter of ``run`` (a run a reload removed, once it
+    drained). Best effort: what is left is swept as no run's at the next rejoin."""
+    try:
+        result = await gw.upstream.call(
+            replica, "GET", "/v1/models", timeout=gw.settings.broadcast_timeout_s
+        )
+        listed = parse_models(result.content)[0] if result.status == 200 else []
+    except (GatewayError, ValueError):
+        return 0
+    own = [a for a in listed if owner_of(a.name) == run]
+    await asyncio.gather(*(_unload(gw, replica, a) for a in own))
+    return len(own)
 
 
 async def _unload(gw: RunFleet, replica: int, adapter: ListedAdapter) -> None:

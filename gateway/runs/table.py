@@ -33,6 +33,10 @@ class Run:
     max_staleness: int
     roots: tuple[Path, ...] = ()
     max_in_flight: int | None = None
+    remove_grace_s: float = 30.0
+    """Once a reload removed it: how long its rollouts may finish before they are aborted."""
+    key_overlap_s: float = 60.0
+    """Once a reload rotated its key: how long the old one keeps working."""
     prefix: str = field(init=False, repr=False, compare=False)
     """``NAME~`` on the replicas ("" in single-run mode); read on every rollout: stored."""
 
@@ -100,16 +104,18 @@ def presented_credential(value: bytes | None) -> tuple[bytes | None, bytes | Non
 
 
 class RunTable:
-    """The configured runs, and which one a credential names."""
+    """The configured runs, and which one a credential names; ``retired``: (run, key)
+    pairs of keys a reload rotated away that still name their run (``key_overlap_s``)."""
 
-    __slots__ = ("_by_name", "multi", "runs")
+    __slots__ = ("_by_name", "multi", "retired", "runs")
 
-    def __init__(self, runs: Iterable[Run]) -> None:
+    def __init__(self, runs: Iterable[Run], retired: Iterable[tuple[str, bytes]] = ()) -> None:
         self.runs = tuple(runs)
         self.multi = any(r.name for r in self.runs)
         if self.multi and not all(r.name and r.key for r in self.runs):
             raise ValueError("in multi-run mode every run needs a name and a key")
         self._by_name = {r.name: r for r in self.runs}
+        self.retired = tuple((name, key) for name, key in retired if name in self._by_name)
 
     def __getitem__(self, name: str) -> Run:
         return self._by_name[name]
@@ -129,4 +135,8 @@ class RunTable:
             match = presented is not None and hmac.compare_digest(presented, run.key)
             if match and (user is None or user == b"" or user == run.name.encode()):
                 found = run
+        for name, key in self.retired:
+            match = presented is not None and hmac.compare_digest(presented, key)
+            if match and found is None and (not user or user == name.encode()):
+                found = self._by_name[name]
         return found

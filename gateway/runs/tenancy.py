@@ -18,6 +18,7 @@ in-flight rollouts are done, and ``mode=abort`` cancels them, as vLLM's modes do
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -27,9 +28,17 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.adapters.manager import AdapterManager
-from gateway.adapters.placement import Change, Placement, PlacementError, diff, place
-from gateway.errors import BadRequest, InsufficientSlots, TooManyRequests, Unauthorized
+from gateway.adapters.placement import Change, Placement, diff
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    InsufficientSlots,
+    TooManyRequests,
+    Unauthorized,
+    UpstreamUnavailable,
+)
 from gateway.fleet.aborts import Aborts, paused_with_abort
+from gateway.runs.lifecycle import RunPlan, plan, replace
 from gateway.runs.table import Run, RunTable
 from gateway.runs.usage import RunUsage
 from gateway.workers.roles import ALONE, Peers
@@ -112,6 +121,8 @@ class Tenant:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     aborts: Aborts = field(default_factory=Aborts)
     """Its rollouts cancelled by its ``/pause?mode=abort``, each owing its client a 503."""
+    chores: list[asyncio.Task[None]] = field(default_factory=list)
+    """Its adapter manager's ticks and audits (``Tenancy.start_chores``)."""
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -143,6 +154,27 @@ class Tenant:
             self.unplaced = failure
         if homes:
             self.unplaced = None
+
+    def renew(self, run: Run) -> None:
+        """A reload changed its key or limits (same name, slots and roots): the next
+        request reads them; nothing running is touched."""
+        assert run.name == self.run.name and run.slots == self.run.slots
+        self.run = run
+
+    async def drained(self, timeout: float) -> bool:
+        """Whether its rollouts in flight all ended within ``timeout``."""
+        if self.in_flight:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout)
+        return not self.in_flight
+
+    def abort_removed(self) -> int:
+        """A reload removed the run and its grace is over: cancel its rollouts in flight,
+        each answered with a 503 (``gateway.fleet.aborts``); returns how many."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            self.aborts.abort(task, removed_run(self.name))
+        return len(tasks)
 
     def follow(self, homes: frozenset[int], unplaced: str | None, paused: str | None) -> None:
         """Adopt the owner's view of the run (a data-plane worker, per snapshot): its
@@ -270,6 +302,15 @@ class Tenant:
         self._resumed.set()
 
 
+def removed_run(run: str) -> GatewayError:
+    """The answer to a rollout of a run that a reload removed, once its grace ran out."""
+    return UpstreamUnavailable(
+        f"Run '{run}' was removed from the gateway by a reload, which cancelled this "
+        "rollout once its grace ran out.",
+        headers={"Retry-After": "1"},
+    )
+
+
 def _mode(query: str) -> str:
     mode = "abort"  # vLLM's default
     for part in query.split("&"):
@@ -295,17 +336,78 @@ class Tenancy:
     ) -> None:
         self.table = table
         self._ejector = ejector
+        self._manager = manager
+        self._routes = routes
+        self._peers = peers
         self.tenants: dict[str, Tenant] = {}
         for run in table.runs:
-            own = manager(run, self.lose)
-            self.tenants[run.name] = Tenant(run, own, routes.routes(run.name, own), peers)
+            self.tenants[run.name] = self._tenant(run)
+        self.leaving: dict[str, Tenant] = {}
+        """Runs a reload removed that still drain or hold adapters: they keep their slots
+        (and their homes' adapters are theirs) until ``gone``."""
+        self._retired: dict[str, list[bytes]] = {}
+        self.reloads: dict[str, int] = {}
+        """Reloads of the run set by outcome (``gateway_run_reloads_total``)."""
         self.placement: Placement | None = None
         self.budget: int | None = None
         self._single = None if table.multi else self.tenants[""]
 
+    def _tenant(self, run: Run) -> Tenant:
+        own = self._manager(run, self.lose)
+        return Tenant(run, own, self._routes.routes(run.name, own), self._peers)
+
     @property
     def multi(self) -> bool:
         return self.table.multi
+
+    def apply(
+        self, new: RunTable, budget: int | None
+    ) -> tuple[RunPlan, list[Tenant], list[tuple[Change, str, int]]]:
+        """A reload's new run set (``gateway.runs.lifecycle``): removed runs stop being
+        identified at once and go to ``leaving`` (keeping their slots); added runs are
+        built and placed; kept runs take their new key and limits (a rotated key keeps
+        working until ``expire_key``). Returns the plan (``refused``: nothing changed) and
+        the added tenants, whose adapters the caller rebuilds, and the placement's moves."""
+        found = plan(self.table, new, self.leaving)
+        if found.refused is not None:
+            return found, [], []
+        for name in found.removed:
+            self.leaving[name] = self.tenants.pop(name)
+            self._retired.pop(name, None)
+        added = [self._tenant(new[name]) for name in found.added]
+        self.tenants.update((t.name, t) for t in added)
+        for name in found.rotated:
+            old = self.tenants[name].run
+            if new[name].key_overlap_s > 0 and old.key is not None:
+                self._retired.setdefault(name, []).append(old.key)
+        for name, tenant in self.tenants.items():
+            if tenant.run != new[name]:
+                tenant.renew(new[name])
+        self._retable(new.runs)
+        moves: list[tuple[Change, str, int]] = []
+        if self.budget is not None and (found.added or budget not in (None, self.budget)):
+            replicas = self.placement.replicas if self.placement is not None else ()
+            moves = self.place(sorted(replicas), budget if budget is not None else self.budget)
+        return found, added, moves
+
+    def _retable(self, runs: Iterable[Run]) -> None:
+        retired = [(name, key) for name, keys in self._retired.items() for key in keys]
+        self.table = RunTable(runs, retired)
+
+    def expire_key(self, name: str, key: bytes) -> None:
+        """A rotated key's overlap is over: it names its run no more."""
+        keys = self._retired.get(name, [])
+        if key in keys:
+            keys.remove(key)
+            self._retable(self.table.runs)
+
+    def gone(self, name: str) -> list[tuple[Change, str, int]]:
+        """A removed run drained and its adapters were unloaded: its slots are freed, and
+        runs that did not fit are placed if they now do. Returns the moves."""
+        self.leaving.pop(name, None)
+        if self.budget is None or self.placement is None:
+            return []
+        return self.place(sorted(self.placement.replicas), self.budget)
 
     def __iter__(self) -> Iterator[Tenant]:
         return iter(self.tenants.values())
@@ -339,8 +441,29 @@ class Tenancy:
         return self.tenants[run.name]
 
     def owners_of(self, replica: int) -> frozenset[str]:
-        """Runs homed on ``replica``."""
-        return frozenset(t.name for t in self if t.serves(replica))
+        """Runs homed on ``replica`` (leaving ones too: their adapters are theirs until
+        they are gone)."""
+        every = [*self, *self.leaving.values()]
+        return frozenset(t.name for t in every if t.serves(replica))
+
+    def start_chores(self, tenant: Tenant, audit_interval_s: float) -> None:
+        """Its adapter manager's ticks and audits, until ``stop_chores``."""
+        manager, name = tenant.manager, tenant.name
+        tenant.chores.extend((
+            asyncio.create_task(manager.run_ticks(), name=f"gateway-adapter-ticks{name}"),
+            asyncio.create_task(manager.run_audits(audit_interval_s),
+                                name=f"gateway-adapter-audits{name}"),
+        ))  # fmt: skip
+
+    async def stop_chores(self, tenants: Iterable[Tenant] | None = None) -> None:
+        """Stop the chores of ``tenants`` (None: every run's, leaving ones included)."""
+        chosen = list(tenants) if tenants is not None else [*self, *self.leaving.values()]
+        tasks = [task for t in chosen for task in t.chores]
+        for t in chosen:
+            t.chores.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def place(self, replicas: Sequence[int], budget: int) -> list[tuple[Change, str, int]]:
         """(Re)place every run on ``replicas`` (each with ``budget`` slots), moving as little
@@ -351,24 +474,22 @@ class Tenancy:
         traffic only once reconciled (their live versions loaded)."""
         self.budget = budget
         previous = self.placement or Placement.empty({})
-        runs = {t.name: t.run.slots for t in self}
-        result = place(previous, runs, dict.fromkeys(replicas, budget))
-        if isinstance(result, PlacementError):
-            new = result.best_effort
-            for name in result.needs:
-                log.error("run %s cannot be placed: %s", name, result)
-            failed = {name: f"LoRA adapter slots exhausted: {result}" for name in result.needs}
-        else:
-            new, failed = result, {}
+        every = {**self.leaving, **self.tenants}
+        runs = {t.name: t.run.slots for t in every.values()}
+        new, failed = replace(previous, runs, replicas, budget)
+        for name, why in failed.items():
+            log.error("run %s cannot be placed: %s", name, why)
         moves = []
         for move in diff(previous, new):
-            tenant = self.tenants[move.run]
-            if move.change is Change.LOSE:
+            tenant = every.get(move.run)
+            if tenant is None:  # a removed run, gone: its adapters were unloaded
+                pass
+            elif move.change is Change.LOSE:
                 tenant.manager.remove_replica(move.replica)
             else:
                 tenant.manager.add_replica(move.replica)
             moves.append((move.change, move.run, move.replica))
-        for tenant in self:
+        for tenant in every.values():
             tenant.settle(new.homes(tenant.name), failed.get(tenant.name))
         self.placement = new
         return moves

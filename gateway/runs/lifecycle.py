@@ -1,0 +1,113 @@
+"""Runs joining and leaving a live gateway (sans-I/O): what a reload of the run set
+changes, and where every run lives afterwards.
+
+Pure, like ``adapters/placement.py`` whose minimal-movement rule it keeps: given the
+run table in force and the one a reload brings, :func:`plan` names the runs added,
+removed and changed (key rotated, ``max_in_flight`` changed), and refuses what cannot
+change under a live run (``max_staleness``, ``adapter_root``: its adapter manager was
+built with them; remove the run and add it back). :func:`replace` is the placement after
+it: every kept home stays unless a budget forces it off, a run that leaves keeps its slots
+until it is told gone (``leaving``: its adapters are still on its homes until they are
+unloaded), and runs that did not fit are placed once they do.
+
+The shell (``gateway.runs.reload``) applies a plan in this order: added runs are built
+and placed; changed runs take their new limits (a rotated key keeps working for
+``key_overlap_s``); removed runs stop being identified at once, drain (or are aborted
+after ``run_remove_grace_s``), have their adapters unloaded, and only then give their
+slots back (:func:`replace` without them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from gateway.adapters.placement import Placement, PlacementError, place
+from gateway.config import RunSpec
+from gateway.runs.table import Run, RunTable
+
+__all__ = ["RunPlan", "plan", "replace", "run_table_of"]
+
+
+def run_table_of(specs: Iterable[RunSpec]) -> RunTable:
+    """The configured runs (``runs:``) as the gateway knows them."""
+    return RunTable(
+        Run(
+            s.name,
+            s.key.get_secret_value().encode(),
+            s.max_staleness,
+            (s.adapter_root,),
+            s.max_in_flight,
+            s.remove_grace_s,
+            s.key_overlap_s,
+        )
+        for s in specs
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RunPlan:
+    """What a reload changes, by run name (each tuple sorted)."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    rotated: tuple[str, ...] = ()
+    """Runs whose key changed: the old key works for ``key_overlap_s`` more."""
+    limited: tuple[str, ...] = ()
+    """Runs whose ``max_in_flight`` changed: it applies to their next rollout."""
+    refused: str | None = None
+    """Why the new set cannot be applied to the live one (None: it can)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.rotated or self.limited)
+
+    def changed(self) -> tuple[str, ...]:
+        return tuple(sorted({*self.rotated, *self.limited}))
+
+    def summary(self) -> dict[str, list[str]]:
+        return {"added": list(self.added), "removed": list(self.removed),
+                "rotated": list(self.rotated), "limited": list(self.limited)}  # fmt: skip
+
+
+def plan(old: RunTable, new: RunTable, leaving: Iterable[str] = ()) -> RunPlan:
+    """The changes from ``old`` to ``new``; ``leaving``: runs removed earlier that still
+    drain (their names cannot come back until they are gone)."""
+    before = {r.name: r for r in old.runs}
+    after = {r.name: r for r in new.runs}
+    still = sorted(set(leaving) & after.keys() - before.keys())
+    if still:
+        wait = "is still leaving (draining, unloading its adapters); reload once it is gone"
+        return RunPlan(refused=f"run {still[0]!r} {wait}")
+    kept = sorted(before.keys() & after.keys())
+    for name in kept:
+        if (why := _fixed(before[name], after[name])) is not None:
+            return RunPlan(refused=f"run {name!r}: {why}")
+    return RunPlan(
+        added=tuple(sorted(after.keys() - before.keys())),
+        removed=tuple(sorted(before.keys() - after.keys())),
+        rotated=tuple(n for n in kept if before[n].key != after[n].key),
+        limited=tuple(n for n in kept if before[n].max_in_flight != after[n].max_in_flight),
+    )
+
+
+def _fixed(old: Run, new: Run) -> str | None:
+    if old.max_staleness != new.max_staleness:
+        return (f"max_staleness cannot change while the run is live ({old.max_staleness} -> "
+                f"{new.max_staleness}); remove the run, reload, then add it back")  # fmt: skip
+    if old.roots != new.roots:
+        return ("adapter_root cannot change while the run is live; remove the run, reload, "
+                "then add it back")  # fmt: skip
+    return None
+
+
+def replace(
+    previous: Placement, runs: Mapping[str, int], replicas: Iterable[int], budget: int
+) -> tuple[Placement, dict[str, str]]:
+    """Every run of ``runs`` (name -> slots, leaving runs included) placed on ``replicas``
+    of ``budget`` slots, moving as little as possible; and why each run that does not fit
+    has no homes (the placement's error, naming the budget)."""
+    result = place(previous, runs, dict.fromkeys(replicas, budget))
+    if isinstance(result, PlacementError):
+        failed = {name: f"LoRA adapter slots exhausted: {result}" for name in result.needs}
+        return result.best_effort, failed
+    return result, {}

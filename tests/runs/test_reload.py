@@ -1,0 +1,308 @@
+"""Runs join and leave a live gateway (docs/many-runs.md, "Runs join and leave live"):
+real sockets, sim replicas, the config file rewritten and reloaded by the admin's
+``POST /gateway/runs/reload``, by SIGHUP or by the file watch."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from rollout_testbed.procs import sim_fleet
+from rollout_testbed.serve import serve_asgi
+from rollout_testbed.sim.config import SimConfig
+from rollout_testbed.sim.latency import LatencyModel
+
+from gateway.app import create_app
+from gateway.config import load_settings
+from gateway.core import Gateway
+from gateway.runs.tenancy import Tenant
+from tests.cluster import SimReplica, sims
+from tests.eventually import eventually
+from tests.runs.test_many_runs import COMPLETION, load
+
+ADMIN = "admin-secret"
+RELOAD = "/gateway/runs/reload"
+
+
+def spec(root: Path, name: str, key: str | None = None, **extra: Any) -> dict[str, Any]:
+    (root / name).mkdir(exist_ok=True)
+    return {"name": name, "key": key or f"key-{name}", "adapter_root": str(root / name),
+            "max_staleness": 1, **extra}  # fmt: skip
+
+
+@dataclass
+class Live:
+    url: str
+    app: Any
+    replicas: Sequence[SimReplica]
+    path: Path
+    base: dict[str, Any]
+
+    @property
+    def gateway(self) -> Gateway:
+        gw: Gateway = self.app.state.gateway
+        return gw
+
+    def write(self, runs: list[dict[str, Any]], **more: Any) -> None:
+        self.path.write_text(yaml.safe_dump({**self.base, **more, "runs": runs}))
+        stamp = self.path.stat().st_mtime_ns + 10_000_000  # a new mtime even within a tick
+        os.utime(self.path, ns=(stamp, stamp))
+
+    def run(self, name: str, key: str | None = None) -> httpx.AsyncClient:
+        auth = (name, key or f"key-{name}")
+        return httpx.AsyncClient(base_url=self.url, auth=auth, timeout=30)
+
+    def admin(self) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30)
+
+    def tenant(self, name: str) -> Tenant:
+        return self.gateway.tenancy.tenants[name]
+
+    async def reload(self) -> httpx.Response:
+        async with self.admin() as admin:
+            return await admin.post(RELOAD)
+
+
+@asynccontextmanager
+async def live(tmp_path: Path, runs: list[dict[str, Any]], n: int = 2,
+               sim: SimConfig | None = None, **settings: Any) -> AsyncIterator[Live]:  # fmt: skip
+    async with sims(n, sim) as replicas:
+        base = {"replicas": [r.url for r in replicas], "health_interval_s": 0.2,
+                "lora_slots_per_replica": 6, "admin_key": ADMIN,
+                "discovery_interval_s": 60, **settings}  # fmt: skip
+        path = tmp_path / "gateway.yaml"
+        path.write_text(yaml.safe_dump({**base, "runs": runs}))
+        app = create_app(load_settings(config_file=path, environ={}))
+        async with serve_asgi(app) as url:
+            yield Live(url, app, replicas, path, base)
+
+
+async def test_a_run_added_by_a_reload_loads_and_rolls_out_at_once(tmp_path: Path) -> None:
+    a = spec(tmp_path, "run-a")
+    async with live(tmp_path, [a]) as g:
+        async with g.run("run-b") as b:
+            assert (await b.get("/v1/models")).status_code == 401  # not a run yet
+            g.write([a, spec(tmp_path, "run-b")])
+            r = await g.reload()
+            assert r.status_code == 200, r.text
+            assert r.json()["added"] == ["run-b"] and r.json()["outcome"] == "applied"
+            loaded = await b.post("/v1/load_lora_adapter", json=load(tmp_path, "run-b", 1))
+            assert loaded.status_code == 200, loaded.text
+            gen = await b.post("/v1/completions", json={**COMPLETION, "model": "trl-policy-v1"})
+            assert gen.status_code == 200 and gen.json()["model"] == "trl-policy-v1", gen.text
+        assert g.tenant("run-b").homes
+        async with g.admin() as admin:
+            names = [r["name"] for r in (await admin.get("/gateway/status")).json()["runs"]]
+            metrics = (await admin.get("/metrics")).text
+        assert names == ["run-a", "run-b"]
+        assert 'gateway_run_reloads_total{outcome="applied"} 1.0' in metrics
+        assert 'gateway_run_requests_total{run="run-b"} 1.0' in metrics
+
+
+async def test_a_removed_run_stops_at_once_and_its_rollout_is_aborted_after_its_grace(
+    tmp_path: Path,
+) -> None:
+    # one replica of 6 slots, three runs of 3: one does not fit until another leaves
+    runs = [spec(tmp_path, n, remove_grace_s=0.5) for n in ("run-a", "run-b", "run-c")]
+    slow = SimConfig(latency=LatencyModel(decode=0.1))  # 100 tokens: 10 s
+    async with live(tmp_path, runs, n=1, sim=slow) as g:
+        tenants = list(g.gateway.tenancy)
+        waiting = next(t.name for t in tenants if not t.homes)
+        leaving = next(t.name for t in tenants if t.homes)
+        async with g.run(leaving) as gone, g.run(waiting) as later:
+            r = await later.post("/v1/load_lora_adapter", json=load(tmp_path, waiting, 1))
+            assert r.status_code == 507, r.text
+            ok = await gone.post("/v1/load_lora_adapter", json=load(tmp_path, leaving, 1))
+            assert ok.status_code == 200, ok.text
+            body = {**COMPLETION, "model": "trl-policy-v1", "max_tokens": 100}
+            running = asyncio.ensure_future(gone.post("/v1/completions", json=body))
+            await eventually(lambda: g.tenant(leaving).in_flight == 1, "the rollout admitted")
+            g.write([r for r in runs if r["name"] != leaving])
+            reloaded = await g.reload()
+            assert reloaded.status_code == 200 and reloaded.json()["removed"] == [leaving]
+            assert (await gone.get("/v1/models")).status_code == 401  # at once
+            answer = await asyncio.wait_for(running, 10)
+            assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+            assert "was removed from the gateway" in answer.json()["error"]["message"]
+
+            def freed() -> bool:
+                held = g.replicas[0].app.state.sim.adapters
+                return not g.gateway.tenancy.leaving and not any(
+                    n.startswith(f"{leaving}~") for n in held
+                )
+
+            await eventually(freed, "the removed run's adapters unloaded and its slots freed")
+            await eventually(lambda: bool(g.gateway.tenancy.tenants[waiting].homes),
+                             "the run that did not fit placed")  # fmt: skip
+
+            async def loads() -> bool:
+                r = await later.post("/v1/load_lora_adapter", json=load(tmp_path, waiting, 1))
+                return r.status_code == 200
+
+            await eventually(loads, "the run that did not fit loads")
+
+
+async def test_a_removed_runs_held_rollouts_are_answered_after_its_grace(tmp_path: Path) -> None:
+    # removed while its scoped /pause holds a rollout: its key can no longer /resume, so
+    # the held rollout is answered (503) once the grace is over, not held for ever
+    a, b = spec(tmp_path, "run-a", remove_grace_s=0.3), spec(tmp_path, "run-b")
+    async with live(tmp_path, [a, b]) as g, g.run("run-a") as ra:
+        assert (await ra.post("/pause", params={"mode": "keep"})).status_code == 200
+        body = {**COMPLETION, "model": "tiny-base"}
+        held = asyncio.ensure_future(ra.post("/v1/completions", json=body))
+        await eventually(lambda: g.tenant("run-a").in_flight == 1, "the rollout held")
+        g.write([b])
+        assert (await g.reload()).json()["removed"] == ["run-a"]
+        answer = await asyncio.wait_for(held, 10)
+        assert answer.status_code == 503 and "removed" in answer.json()["error"]["message"]
+        await eventually(lambda: not g.gateway.tenancy.leaving, "run-a gone")
+
+
+async def test_a_larger_budget_places_the_run_that_did_not_fit(tmp_path: Path) -> None:
+    runs = [spec(tmp_path, n) for n in ("run-a", "run-b", "run-c")]
+    async with live(tmp_path, runs, n=1) as g:
+        waiting = next(t.name for t in g.gateway.tenancy if not t.homes)
+        g.write(runs, lora_slots_per_replica=9)
+        r = await g.reload()
+        assert r.status_code == 200 and r.json()["outcome"] == "applied", r.text
+        assert r.json()["unplaced"] == {} and g.tenant(waiting).homes == {0}
+        async with g.run(waiting) as client:
+            loaded = await client.post("/v1/load_lora_adapter", json=load(tmp_path, waiting, 1))
+            assert loaded.status_code == 200, loaded.text
+        assert (await g.reload()).json()["outcome"] == "unchanged"
+
+
+async def test_a_rotated_key_works_for_its_overlap_then_stops(tmp_path: Path) -> None:
+    a = spec(tmp_path, "run-a", key_overlap_s=1.0)
+    async with live(tmp_path, [a]) as g:
+        g.write([{**a, "key": "key-run-a-2"}])
+        r = await g.reload()
+        assert r.status_code == 200 and r.json()["rotated"] == ["run-a"], r.text
+        async with g.run("run-a") as old, g.run("run-a", "key-run-a-2") as new:
+            assert (await old.get("/v1/models")).status_code == 200
+            assert (await new.get("/v1/models")).status_code == 200
+
+            async def refused() -> bool:
+                return (await old.get("/v1/models")).status_code == 401
+
+            await eventually(refused, "the old key refused after its overlap", timeout=5)
+            assert (await new.get("/v1/models")).status_code == 200
+
+
+async def test_an_invalid_reload_keeps_the_old_set_and_says_why(tmp_path: Path) -> None:
+    a, b = spec(tmp_path, "run-a"), spec(tmp_path, "run-b", max_in_flight=2)
+    async with live(tmp_path, [a, b]) as g:
+        cases = [
+            ([a, {**b, "key": "key-run-a"}], "its own key"),
+            ([a, {**b, "name": "Run_B"}], "runs[1].name"),
+            ([a, {**b, "max_staleness": 3}], "max_staleness cannot change"),
+            ([a, a], "run names must be unique"),
+        ]
+        for runs, why in cases:
+            g.write(runs)
+            r = await g.reload()
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert why in error["message"] and "the old one keeps serving" in error["message"]
+            assert "key-run" not in r.text  # never a key
+        async with g.run("run-b") as client:  # the old set serves
+            assert (await client.get("/v1/models")).status_code == 200
+        assert g.tenant("run-b").run.max_in_flight == 2
+        async with g.run("run-a") as run_key, httpx.AsyncClient(base_url=g.url) as anonymous:
+            assert (await run_key.post(RELOAD)).status_code == 401  # a run's key is no admin
+            assert (await anonymous.post(RELOAD)).status_code == 401
+            assert (await run_key.get(RELOAD)).status_code == 405
+        async with g.admin() as admin:
+            metrics = (await admin.get("/metrics")).text
+        assert 'gateway_run_reloads_total{outcome="refused"} 4.0' in metrics
+
+
+async def test_another_run_sees_only_200s_through_every_reload(tmp_path: Path) -> None:
+    a, b = spec(tmp_path, "run-a"), spec(tmp_path, "run-b", remove_grace_s=0.2)
+    async with live(tmp_path, [a], discovery_interval_s=0.2) as g, g.run("run-a") as ra:
+        assert (await ra.post("/v1/load_lora_adapter", json=load(tmp_path, "run-a", 1))).is_success
+        statuses: list[int] = []
+        stop = asyncio.Event()
+
+        async def stream() -> None:
+            body = {**COMPLETION, "model": "trl-policy-v1", "stream": True}
+            while not stop.is_set():
+                async with ra.stream("POST", "/v1/completions", json=body) as r:
+                    await r.aread()
+                    statuses.append(r.status_code)
+
+        streams = [asyncio.ensure_future(stream()) for _ in range(4)]
+        try:
+            g.write([a, b])  # added: the file watch
+            await eventually(lambda: "run-b" in g.gateway.tenancy.tenants, "run-b added")
+            async with g.run("run-b") as rb:
+                assert (await rb.post("/v1/load_lora_adapter",
+                                      json=load(tmp_path, "run-b", 1))).is_success  # fmt: skip
+            g.write([a, {**b, "key": "key-run-b-2", "max_in_flight": 3}])
+            assert (await g.reload()).json()["rotated"] == ["run-b"]  # rotated: the POST
+            g.write([a])
+            os.kill(os.getpid(), signal.SIGHUP)  # removed: SIGHUP
+            await eventually(lambda: "run-b" not in g.gateway.tenancy.tenants, "run-b removed")
+            await eventually(lambda: not g.gateway.tenancy.leaving, "run-b gone")
+            await asyncio.sleep(0.3)
+        finally:
+            stop.set()
+            for task in streams:
+                with suppress(asyncio.CancelledError):
+                    await task
+        assert len(statuses) > 10 and set(statuses) == {200}, statuses
+        tenant = g.tenant("run-a")
+        assert tenant.paused is None and tenant.homes == {0, 1}
+
+
+async def test_a_reload_under_workers_is_refused_naming_the_restart(tmp_path: Path) -> None:
+    async with live(tmp_path, [spec(tmp_path, "run-a")], workers=2) as g:
+        g.write([spec(tmp_path, "run-a"), spec(tmp_path, "run-b")])
+        r = await g.reload()
+        assert r.status_code == 501, r.text
+        assert "--workers" in r.json()["error"]["message"]
+        assert "restart" in r.json()["error"]["message"]
+        assert list(g.gateway.tenancy.tenants) == ["run-a"]
+
+
+async def test_a_reload_under_real_workers_is_refused_by_every_process(tmp_path: Path) -> None:
+    """``serve --workers 2``: whichever process a connection reaches, the reload is refused
+    (501) and the runs stay as they were; the processes keep serving."""
+    config = tmp_path / "gateway.yaml"
+    runs = [spec(tmp_path, "run-a")]
+    config.write_text(yaml.safe_dump({"runs": runs, "lora_slots_per_replica": 6,
+                                      "admin_key": ADMIN}))  # fmt: skip
+    args = ["--workers", "2", "--config", str(config)]
+    with sim_fleet(1, tmp_path, gateway_args=args) as fleet:
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "runs": [*runs, spec(tmp_path, "run-b")],
+                    "lora_slots_per_replica": 6,
+                    "admin_key": ADMIN,
+                }
+            )
+        )
+
+        async def once() -> int:  # a fresh connection each: both workers take some
+            headers = {"Authorization": f"Bearer {ADMIN}"}
+            async with httpx.AsyncClient(base_url=fleet.url, headers=headers, timeout=30) as c:
+                r = await c.post(RELOAD)
+                assert "--workers" in r.json()["error"]["message"], r.text
+                return r.status_code
+
+        assert set(await asyncio.gather(*(once() for _ in range(8)))) == {501}
+        async with httpx.AsyncClient(base_url=fleet.url, timeout=30) as c:
+            status = await c.get("/gateway/status", headers={"Authorization": f"Bearer {ADMIN}"})
+            assert [r["name"] for r in status.json()["runs"]] == ["run-a"]
+            b = await c.get("/v1/models", auth=("run-b", "key-run-b"))
+            assert b.status_code == 401
