@@ -82,13 +82,7 @@ async def sweep(gw: RunFleet, replica: int) -> int:
     """Multi-run mode: unload from ``replica`` every adapter no run homed there owns
     (another run's after a placement move, a single-run leftover, a manual load), so
     the placement's slot budget holds. Best effort: the next rejoin sweeps again."""
-    try:
-        result = await gw.upstream.call(
-            replica, "GET", "/v1/models", timeout=gw.settings.broadcast_timeout_s
-        )
-        listed = parse_models(result.content)[0] if result.status == 200 else []
-    except (GatewayError, ValueError):
-        return 0
+    listed = await _listed(gw, replica)
     owners = gw.tenancy.owners_of(replica)
     foreign = [a for a in listed if owner_of(a.name) not in owners]
     await asyncio.gather(*(_unload(gw, replica, a) for a in foreign))
@@ -101,16 +95,22 @@ async def sweep(gw: RunFleet, replica: int) -> int:
 async def unload_run(gw: RunFleet, replica: int, run: str) -> int:
     """Unload from ``replica`` every adapter of ``run`` (a run a reload removed, once it
     drained). Best effort: what is left is swept as no run's at the next rejoin."""
+    listed = await _listed(gw, replica)
+    own = [a for a in listed if owner_of(a.name) == run]
+    await asyncio.gather(*(_unload(gw, replica, a) for a in own))
+    return len(own)
+
+
+async def _listed(gw: RunFleet, replica: int) -> list[ListedAdapter]:
+    """The adapters ``replica`` holds by its own ``/v1/models`` (none when it does not
+    answer: the callers are best effort)."""
     try:
         result = await gw.upstream.call(
             replica, "GET", "/v1/models", timeout=gw.settings.broadcast_timeout_s
         )
-        listed = parse_models(result.content)[0] if result.status == 200 else []
+        return parse_models(result.content)[0] if result.status == 200 else []
     except (GatewayError, ValueError):
-        return 0
-    own = [a for a in listed if owner_of(a.name) == run]
-    await asyncio.gather(*(_unload(gw, replica, a) for a in own))
-    return len(own)
+        return []
 
 
 async def _unload(gw: RunFleet, replica: int, adapter: ListedAdapter) -> None:
