@@ -307,29 +307,27 @@ class Chaos:
                 self.down.discard(i)
 
     def _cont_after(self, rec: FaultRecord, i: int) -> None:
-        try:
-            time.sleep(float(rec.params["hold_s"]))
-        finally:
+        def cont() -> None:
             with contextlib.suppress(AssertionError, KeyError, ProcessLookupError):
                 self.layer.signal_replica(i, signal.SIGCONT)
-            rec.ended_at = time.time()
-            self._emit("SIGCONT replica", fault=rec.index, replica=i)
-        try:
-            self._await_recovery(rec, lambda: self._replica_back(i))
-        finally:
-            with self._lock:
-                self.down.discard(i)
+
+        self._undo_after(rec, i, cont, "SIGCONT replica")
 
     def _mend_after(self, rec: FaultRecord, i: int) -> None:
+        self._undo_after(rec, i, lambda: self.layer.mend_network(i), "network mended")
+
+    def _undo_after(self, rec: FaultRecord, i: int, undo: Any, what: str) -> None:
+        """A held replica fault (stop, net): after ``hold_s`` undo it, then wait for the
+        replica's recovery; the replica counts as down until then."""
         try:
             time.sleep(float(rec.params["hold_s"]))
         finally:
             try:
-                self.layer.mend_network(i)
-            except Exception as exc:  # finish() mends again
-                rec.notes.append(f"mend failed: {exc!r}")
+                undo()
+            except Exception as exc:  # finish() undoes every fault again
+                rec.notes.append(f"undo failed: {exc!r}")
             rec.ended_at = time.time()
-            self._emit("network mended", fault=rec.index, replica=i)
+            self._emit(what, fault=rec.index, replica=i)
         try:
             self._await_recovery(rec, lambda: self._replica_back(i))
         finally:
