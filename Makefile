@@ -169,5 +169,10 @@ bench-control-plane: venv
 bench-many-runs-sim: venv
 	$(BIN)/python bench/many_runs_sim.py
 
+# A live reload of the run set as another run sees it: p99 with reloads vs without (~3 min).
+.PHONY: bench-run-reloads
+bench-run-reloads: venv
+	$(BIN)/python bench/run_reloads.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
