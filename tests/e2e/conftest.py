@@ -354,10 +354,15 @@ def vllm_gw(e2e_session: E2E) -> Iterator[E2E]:
 def unload_everything(env: E2E, timeout: float = 30.0) -> None:
     with httpx.Client(base_url=env.url, timeout=30) as client:
         listed = client.get("/v1/models").json()["data"]
-        for entry in listed:
-            if entry.get("parent"):
-                client.post("/v1/unload_lora_adapter", json={"lora_name": entry["id"]})
-    # The gateway applies unloads after draining; strays it never knew are left to us.
+        known = {entry["id"] for entry in listed if entry.get("parent")}
+        for name in known:
+            client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+    # The gateway applies unloads after draining. Strays it never knew (a multi-run test's
+    # own gateway loaded ``RUN~...`` names) are ours to unload, at once: nothing else will.
+    for url in env.urls:
+        for name in replica_adapters(url):
+            if name not in known:
+                httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
     wait_for(lambda: not any(replica_adapters(u) for u in env.urls), timeout, "replicas empty",
              on_timeout=lambda: _force_unload(env))  # fmt: skip
 
