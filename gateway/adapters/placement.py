@@ -249,6 +249,9 @@ class _Work:
         self.slots = _checked(slots, "slots", 1)
         self.homes: dict[str, set[int]] = {run: set() for run in self.slots}
         self.loads = dict.fromkeys(self.budgets, 0)
+        self.kept: dict[str, set[int]] = {run: set() for run in self.slots}
+        """Each run's homes from the previous placement: its last one is never evicted
+        for another run, even once spreading gave it a new one (that would relocate it)."""
 
     def free(self, r: int) -> int:
         return self.budgets[r] - self.loads[r]
@@ -265,7 +268,8 @@ class _Work:
         """Runs to take off ``r`` to free ``deficit`` slots; None if impossible. Extra homes
         of the most-homed runs first (joins take from the rich), then, if ``last_homes``,
         runs homed only on ``r``; pruned smallest first so that no chosen run could stay."""
-        here = [run for run, hs in self.homes.items() if r in hs and (last_homes or len(hs) > 1)]
+        here = [run for run, hs in self.homes.items()
+                if r in hs and (last_homes or (len(hs) > 1 and self._movable(run, r)))]  # fmt: skip
         here.sort(key=lambda run: (-len(self.homes[run]), -self.slots[run], _score(run, r)))
         chosen: list[str] = []
         freed = 0
@@ -280,6 +284,11 @@ class _Work:
                 chosen.remove(run)
                 freed -= self.slots[run]
         return chosen
+
+    def _movable(self, run: str, r: int) -> bool:
+        """Whether ``run``'s home ``r`` may go without taking its last previous home."""
+        kept = self.kept[run]
+        return r not in kept or len(kept & self.homes[run]) > 1
 
     def repair(self) -> None:
         """Bring every replica within its budget (only needed when budgets or slots change)."""
@@ -346,6 +355,7 @@ def place(
     for run in work.slots:
         for r in sorted(previous.homes(run) & work.budgets.keys()):
             work.add(run, r)
+            work.kept[run].add(r)
     work.repair()
     pending = sorted(
         (run for run, hs in work.homes.items() if not hs),

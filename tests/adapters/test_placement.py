@@ -432,3 +432,19 @@ def test_placement_refuses_invalid_states() -> None:
     with pytest.raises(ValueError):
         run_slots(-1)
     assert run_slots(0) == 2
+
+
+def test_replica_joining_never_relocates_a_run_that_spreading_gave_a_new_home() -> None:
+    # Found by the reload state machine (tests/runs/test_lifecycle.py): a and b fill half
+    # of replica 0; c (3) and d (4) do not fit beside them. Replica 1 joins: d takes it,
+    # c still fails, spreading gives a an extra home on 1, and the retry for c used to
+    # evict a's *old* home on 0 (a moved from 0 to 1 on a join that must move nothing).
+    first = settle(place(Placement.empty({0: 6}), {"a": 2, "b": 2}, {0: 6}))
+    late = place(first, {"a": 2, "b": 2, "c": 3, "d": 4}, {0: 6})
+    assert isinstance(late, PlacementError)
+    p = late.best_effort
+    assert p.homes("a") == p.homes("b") == {0} and not p.homes("c") and not p.homes("d")
+    result = place(p, {"a": 2, "b": 2, "c": 3, "d": 4}, {0: 6, 1: 6})
+    q = result.best_effort if isinstance(result, PlacementError) else result
+    assert all(p.homes(run) <= q.homes(run) for run in p.runs), (p, q)
+    assert q.homes("d") == {1}

@@ -41,11 +41,13 @@ class ReloadMachine(RuleBasedStateMachine):
     def reload(self, new: RunTable) -> None:
         p = plan(self.table, new, self.leaving)
         assert p.refused is None, p.refused
-        before = self.placement
+        before, unplaced = self.placement, self.failed
         self.leaving.update({n: self.table[n].slots for n in p.removed})
         self.table = new
         self.placement, self.failed = replace(before, self.slots(), self.members, self.budget)
-        if not p.added:  # only keys, caps, removals (still holding their slots): nothing moves
+        if not p.added and not unplaced:
+            # only keys, caps, removals (still holding their slots): nothing moves. (A run
+            # that did not fit before may be placed now, taking another run's extra home.)
             assert self.placement == before or self.failed
         for name in p.removed:  # a leaving run keeps its homes until it is gone
             assert self.placement.homes(name) == before.homes(name)
