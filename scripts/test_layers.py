@@ -159,6 +159,8 @@ LAYERS: tuple[Layer, ...] = (
 # "== 3 failed, 756 passed, 2 warnings in 276.12s (0:04:36) ==" / "756 passed in 276.12s"
 FINAL = re.compile(r"^=*\s*\d+ \w+.* in [\d.]+s\b")
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
+# pytest's short test summary: one line per failed test or error, its id and message head
+FAILURE = re.compile(r"^(?:FAILED|ERROR) \S+.*$", re.MULTILINE)
 
 
 @dataclass
@@ -167,6 +169,9 @@ class Outcome:
     result: str  # "passed", "failed", "timed out", "not run: ..."
     seconds: float
     counts: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    """pytest's ``FAILED``/``ERROR`` lines: repeated in the summary, which is all that a
+    truncated CI log keeps (a concurrent layer prints them minutes before its end)."""
 
     @property
     def ok(self) -> bool:
@@ -260,7 +265,7 @@ def run_layer(layer: Layer, logs: Path) -> Outcome:
         result = f"timed out after {layer.bound_s:.0f} s"
     else:
         result = "passed" if all(rc == 0 for rc in rcs) else "failed"
-    return Outcome(layer.name, result, seconds, pytest_counts(tails))
+    return Outcome(layer.name, result, seconds, pytest_counts(tails), FAILURE.findall(tails))
 
 
 def summary(outcomes: list[Outcome], total_s: float) -> str:
@@ -269,6 +274,8 @@ def summary(outcomes: list[Outcome], total_s: float) -> str:
     for o in outcomes:
         tests = ", ".join(f"{n} {k}" for k, n in o.counts.items())
         lines.append(f"{o.name:<{width}}  {o.result:<28} {o.seconds:6.0f}s  {tests}")
+    for o in outcomes:
+        lines.extend(f"{o.name}: {line[:200]}" for line in o.failures)
     failed = [o.name for o in outcomes if not o.ok]
     verdict = f"FAILED: {', '.join(failed)}" if failed else "all passed"
     lines.append(f"total {total_s:.0f} s: {verdict}")
@@ -310,7 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(outcomes, total), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     layers = [
-        {"name": o.name, "result": o.result, "seconds": round(o.seconds, 1), "tests": o.counts}
+        {
+            "name": o.name,
+            "result": o.result,
+            "seconds": round(o.seconds, 1),
+            "tests": o.counts,
+            "failures": o.failures,
+        }
         for o in outcomes
     ]
     args.json.write_text(json.dumps({"total_s": round(total, 1), "layers": layers}, indent=1))

@@ -169,3 +169,26 @@ def test_the_real_layers_are_cheapest_first_and_install_before_what_needs_it() -
     rehearsal = names.index("rehearsal")
     assert rehearsal == names.index("container") + 1
     assert layers[rehearsal].needs == "vllm"
+
+
+def test_the_summary_repeats_each_failed_test_of_a_concurrent_layer(
+    runner: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A truncated CI log keeps only the end; a concurrent layer's pytest output comes
+    # minutes before it, so the summary must name what failed itself.
+    fails = py(
+        "print('FAILED tests/a.py::test_one - AssertionError: x')\n"
+        "print('ERROR tests/b.py::test_two - RuntimeError: teardown')\n"
+        "print('1 failed, 1 error, 3 passed in 0.1s'); exit(1)"
+    )
+    passes = py("print('a line with FAILED in it, not first'); print('2 passed in 0.1s')")
+    layers = (runner.Layer("both", "", (fails, passes), concurrent=True),)
+    rc, report = run(runner, tmp_path, layers)
+    assert rc == 1
+    assert report["layers"][0]["failures"] == [
+        "FAILED tests/a.py::test_one - AssertionError: x",
+        "ERROR tests/b.py::test_two - RuntimeError: teardown",
+    ]
+    summary = capsys.readouterr().out.split("===== test layers")[-1]
+    assert "both: FAILED tests/a.py::test_one - AssertionError: x" in summary
+    assert "both: ERROR tests/b.py::test_two" in summary
