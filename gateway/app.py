@@ -48,6 +48,8 @@ from gateway.routing.config import RoutingConfig
 from gateway.routing.policy import make_router
 from gateway.routing.selection import Selection
 from gateway.runs.credentials import Credentials
+from gateway.runs.fairness import FairGate
+from gateway.runs.fairshare import FairShare
 from gateway.runs.lifecycle import run_table_of
 from gateway.runs.mode import mode_for
 from gateway.runs.table import Run, RunTable
@@ -133,7 +135,10 @@ def build_gateway(
             peers=peers,
         )
 
-    tenancy = Tenancy(run_table(settings), manager, rotation, peers=peers, routes=routes)
+    # Each process of ``serve --workers N`` keeps books over its 1/N of every replica.
+    capacity = max(1, settings.replica_capacity // settings.worker_count())
+    fair = FairGate(FairShare(capacity, settings.fair_idle_s), settings.fair_wait_s)
+    tenancy = Tenancy(run_table(settings), manager, rotation, peers=peers, routes=routes, fair=fair)
     mode = mode_for(tenancy.table, tenancy)
     metrics.watch_adapters(tenancy.managers)
     for collector in mode.collectors():

@@ -125,6 +125,9 @@ class RunSpec(BaseModel):
     aborted (503), before its adapters are unloaded."""
     key_overlap_s: float = Field(60.0, ge=0)
     """Once a reload rotated its key: the old key keeps working this long."""
+    weight: float = Field(1.0, gt=0, le=1000)
+    """Its share of a saturated replica's slots, against the other runs homed there
+    (``replica_capacity``; docs/many-runs.md, "Fair share under saturation")."""
 
     @model_validator(mode="before")
     @classmethod
@@ -192,6 +195,25 @@ class Settings(BaseSettings):
         "scoped",
         description="A run's /pause: hold only its own rollouts (scoped), or pause every "
         "replica for everyone (fleet, the naive global pause).",
+    )
+    replica_capacity: int = Field(
+        256,
+        ge=1,
+        description="Rollouts one replica runs at once: its vLLM --max-num-seqs (vLLM's "
+        "default is 256). With runs, the gateway holds what exceeds it and releases it in "
+        "weighted fair order (docs/many-runs.md).",
+    )
+    fair_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="With runs: the longest a rollout is held for a free slot; then it is "
+        "sent anyway (counted in gateway_run_fair_overflows_total).",
+    )
+    fair_idle_s: float = Field(
+        60.0,
+        ge=0,
+        description="With runs: how long a run keeps its guaranteed share of a replica "
+        "after its last rollout there ended (a GRPO run between two steps).",
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(

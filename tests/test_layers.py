@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
          "adapters.state", "adapters.placement", "adapters.checks", "fleet.quorum",
          "fleet.outliers", "fleet.retry_budget", "fleet.admission", "fleet.aborts",
          "fleet.replicas", "fleet.discovery", "runs.table", "runs.scope", "runs.usage",
-         "runs.lifecycle", "workers.merge",
+         "runs.lifecycle", "runs.fairshare", "workers.merge",
          "workers.channel", "api.cache_salt"),
     ),
     (
@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("http.*", "fleet.shared", "fleet.control", "fleet.metrics", "adapters.fanout",
          "adapters.manager", "runs.tenancy", "runs.metrics", "runs.placing", "runs.mode",
          "metrics", "workers.roles", "fleet.rotation", "fleet.fanout", "fleet.health",
-         "fleet.ledger", "routing.selection", "runs.credentials"),
+         "fleet.ledger", "routing.selection", "runs.credentials", "runs.fairness"),
     ),
     ("the gateway: the parts of one process held together", ("core",)),
     ("the API: handlers, the rollout path", ("api", "api.*")),

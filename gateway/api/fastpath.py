@@ -115,6 +115,9 @@ class FastPath:
                 with inbound.guard:  # its scoped /pause: held until /resume (after the
                     await counted.held()  # body: the guard may read ``receive``)
             plan = plan_rollout(gw, inbound, body, tenant)
+            if counted is not None:  # a named run: its slot, in fair order when saturated
+                with inbound.guard:
+                    entry.slot = await counted.slot(plan.candidates)
             return await dispatch(inbound, gw, entry, plan), entry
         except ClientDisconnected:
             return None, entry

@@ -8,13 +8,14 @@ request metrics. A request's life, and the call that keeps each book:
 ==================  =============================================================
 ``enter``           admission (429), the key and the run (401), the run's cap (429)
 ``attempt``         the next replica (``Selection.take``) within the retry budget
-                    (503 when none is left or the budget is spent), and its books
+                    (503 when none is left or the budget is spent), and its books;
+                    a named run's slot is charged to that replica
 ``failed``          the attempt ended without a response: its books closed, the
                     breaker or the pool told why; True when another may be tried
 ``answered``        the response's status, for the breaker
 ``finished``        the upstream answer is over (a stream: when the relay closes):
                     the replica's books closed, the request metrics
-``exit``            admission and the run's cap, once the answer was sent
+``exit``            admission, the run's cap and its slot, once the answer was sent
 ==================  =============================================================
 
 Why per-attempt calls: a request that fails before any byte is retried on another
@@ -42,6 +43,7 @@ from gateway.http.upstream import ReplicaConnectError
 from gateway.metrics import Metrics, RouteKind
 from gateway.routing.selection import Plan, Selection
 from gateway.runs.credentials import Credentials
+from gateway.runs.fairness import Slot
 from gateway.runs.tenancy import Tenant
 
 __all__ = ["Entry", "Ledger"]
@@ -60,6 +62,8 @@ class Entry:
     """A rollout's run (single-run mode: the implicit one)."""
     counted: Tenant | None = None
     """The named run whose cap the rollout counts against (None: the implicit run)."""
+    slot: Slot | None = None
+    """A named run's rollout: its slot on the replicas it shares (``Tenant.slot``)."""
     plan: Plan | None = None
     remaining: list[int] | None = None
     """Candidates not tried yet (None: no attempt yet)."""
@@ -145,6 +149,8 @@ class Ledger:
         self._metrics.record_routed(index)
         self._tasks.enter(index, entry.task)
         entry.index = index
+        if entry.slot is not None:
+            entry.slot.place(index)
         return index
 
     def failed(self, entry: Entry, exc: BaseException) -> bool:
@@ -195,6 +201,9 @@ class Ledger:
             if status is not None:
                 counted.usage.answered(status)
             counted.leave(entry.task)
+            if entry.slot is not None:
+                entry.slot.release()
+                entry.slot = None
 
     def _release(self, entry: Entry) -> None:
         self._pool.release(entry.index)

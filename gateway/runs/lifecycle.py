@@ -40,6 +40,7 @@ def run_table_of(specs: Iterable[RunSpec]) -> RunTable:
             s.max_in_flight,
             s.remove_grace_s,
             s.key_overlap_s,
+            s.weight,
         )
         for s in specs
     )
@@ -54,7 +55,7 @@ class RunPlan:
     rotated: tuple[str, ...] = ()
     """Runs whose key changed: the old key works for ``key_overlap_s`` more."""
     limited: tuple[str, ...] = ()
-    """Runs whose ``max_in_flight`` changed: it applies to their next rollout."""
+    """Runs whose ``max_in_flight`` or ``weight`` changed: it applies to their next rollout."""
     refused: str | None = None
     """Why the new set cannot be applied to the live one (None: it can)."""
 
@@ -86,8 +87,12 @@ def plan(old: RunTable, new: RunTable, leaving: Iterable[str] = ()) -> RunPlan:
         added=tuple(sorted(after.keys() - before.keys())),
         removed=tuple(sorted(before.keys() - after.keys())),
         rotated=tuple(n for n in kept if before[n].key != after[n].key),
-        limited=tuple(n for n in kept if before[n].max_in_flight != after[n].max_in_flight),
+        limited=tuple(n for n in kept if _limits(before[n]) != _limits(after[n])),
     )
+
+
+def _limits(run: Run) -> tuple[int | None, float]:
+    return run.max_in_flight, run.weight
 
 
 def _fixed(old: Run, new: Run) -> str | None:

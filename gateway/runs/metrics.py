@@ -3,14 +3,16 @@ so its cardinality is bounded by the configuration, never by traffic."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.runs.fairness import FairGate
+
 if TYPE_CHECKING:
-    from gateway.runs.tenancy import Tenancy
+    from gateway.runs.tenancy import Tenancy, Tenant
 
 __all__ = ["RunCollector"]
 
@@ -41,6 +43,15 @@ class RunCollector(Collector):
              CounterMetricFamily, lambda t: t.usage.completion_tokens),
             ("gateway_run_held_seconds", "Time the run's rollouts waited at the gateway.",
              CounterMetricFamily, lambda t: t.usage.held_s),
+            ("gateway_run_weight", "The run's weight in the fair share of saturated replicas.",
+             GaugeMetricFamily, lambda t: t.run.weight),
+            ("gateway_run_fair_slots", "Replica slots the run's rollouts hold now.",
+             GaugeMetricFamily, lambda t: _fair(t, FairGate.slots)),
+            ("gateway_run_fair_waiting", "The run's rollouts held now for a free slot.",
+             GaugeMetricFamily, lambda t: _fair(t, FairGate.waiting)),
+            ("gateway_run_fair_overflows",
+             "The run's rollouts sent at fair_wait_s without a free slot.",
+             CounterMetricFamily, lambda t: _fair(t, FairGate.overflowed)),
         )  # fmt: skip
         for name, doc, kind, value in families:
             family = kind(name, doc, labels=["run"])
@@ -62,3 +73,7 @@ class RunCollector(Collector):
         for outcome in ("applied", "unchanged", "refused"):
             reloads.add_metric([outcome], self._tenancy.reloads.get(outcome, 0))
         yield reloads
+
+
+def _fair(tenant: Tenant, read: Callable[[FairGate, str], int]) -> int:
+    return 0 if tenant.fair is None else read(tenant.fair, tenant.name)

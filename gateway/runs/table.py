@@ -37,6 +37,8 @@ class Run:
     """Once a reload removed it: how long its rollouts may finish before they are aborted."""
     key_overlap_s: float = 60.0
     """Once a reload rotated its key: how long the old one keeps working."""
+    weight: float = 1.0
+    """Its share of a saturated replica (``gateway.runs.fairshare``)."""
     prefix: str = field(init=False, repr=False, compare=False)
     """``NAME~`` on the replicas ("" in single-run mode); read on every rollout: stored."""
 

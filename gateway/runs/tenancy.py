@@ -38,6 +38,7 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.fleet.aborts import Aborts, paused_with_abort
+from gateway.runs.fairness import FairGate, Slot
 from gateway.runs.lifecycle import RunPlan, plan, replace
 from gateway.runs.table import Run, RunTable
 from gateway.runs.usage import RunUsage
@@ -123,6 +124,8 @@ class Tenant:
     """Its rollouts cancelled by its ``/pause?mode=abort``, each owing its client a 503."""
     chores: list[asyncio.Task[None]] = field(default_factory=list)
     """Its adapter manager's ticks and audits (``Tenancy.start_chores``)."""
+    fair: FairGate | None = None
+    """The replicas' slots it shares with the other runs (a named run's only)."""
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -195,6 +198,12 @@ class Tenant:
             return None
         self.enter(task)
         return self
+
+    async def slot(self, candidates: Sequence[int]) -> Slot:
+        """A slot on one of ``candidates`` for a rollout of this named run, in weighted fair
+        order once they are saturated (``gateway.runs.fairshare``)."""
+        assert self.fair is not None, "the implicit run takes no slot"
+        return await self.fair.admit(self.name, self.run.weight, candidates, self.usage)
 
     def rollout_replicas(self, healthy: list[int]) -> list[int]:
         """Where its rollouts may go: its healthy homes (507 while it has none)."""
@@ -333,8 +342,10 @@ class Tenancy:
         *,
         peers: Peers = ALONE,
         routes: RoutesSource = OWN_ROUTES,
+        fair: FairGate | None = None,
     ) -> None:
         self.table = table
+        self.fair = fair
         self._ejector = ejector
         self._manager = manager
         self._routes = routes
@@ -354,7 +365,8 @@ class Tenancy:
 
     def _tenant(self, run: Run) -> Tenant:
         own = self._manager(run, self.lose)
-        return Tenant(run, own, self._routes.routes(run.name, own), self._peers)
+        fair = self.fair if run.prefix else None
+        return Tenant(run, own, self._routes.routes(run.name, own), self._peers, fair=fair)
 
     @property
     def multi(self) -> bool:
@@ -405,6 +417,8 @@ class Tenancy:
         """A removed run drained and its adapters were unloaded: its slots are freed, and
         runs that did not fit are placed if they now do. Returns the moves."""
         self.leaving.pop(name, None)
+        if self.fair is not None:
+            self.fair.forget(name)
         if self.budget is None or self.placement is None:
             return []
         return self.place(sorted(self.placement.replicas), self.budget)
@@ -501,6 +515,14 @@ class Tenancy:
             return None
         return self.placement.max_loras(tenant.name)
 
+    def _fair_status(self, tenant: Tenant) -> dict[str, Any]:
+        fair = tenant.fair
+        if fair is None:
+            return {"weight": tenant.run.weight}
+        name = tenant.name
+        return {"weight": tenant.run.weight, "slots": fair.slots(name),
+                "waiting": fair.waiting(name), "overflows": fair.overflowed(name)}  # fmt: skip
+
     def status(self, only: str | None = None) -> list[dict[str, Any]]:
         return [
             {
@@ -514,6 +536,7 @@ class Tenancy:
                 "live": [t.run.client_name(a.name) for a in t.manager.live_adapters()],
                 "unplaced": t.unplaced,
                 "usage": t.usage.status(),
+                "fair": self._fair_status(t),
             }
             for t in self
             if only is None or t.name == only

@@ -1,0 +1,268 @@
+"""Weighted fair share of the replicas' rollout slots across runs: the pure core.
+
+Why: a replica runs at most ``--max-num-seqs`` sequences at once and queues the rest first
+come, first served. When one run floods the replicas it shares with others, every
+co-tenant's rollout queues behind that backlog, and a GRPO step waits for its slowest
+rollout. So in multi-run mode the gateway counts each replica's rollouts against a
+capacity (``replica_capacity``: set it to the replicas' ``--max-num-seqs``) and holds the
+excess itself, where it can choose the order.
+
+Two rules, both per replica, among the runs *active* there (a rollout in flight, waiting,
+or ended less than ``idle_s`` ago: a GRPO run between two steps is still active):
+
+- **Guaranteed share.** Run X's share of replica r is ``capacity * w_X / sum(w)`` over the
+  runs active on r. X may always use its share. It may borrow beyond it only slots that
+  the unused shares of the other active runs, those not waiting, do not need:
+  ``used[r] + reserved < capacity``. So a run under its share finds its slots free when
+  its next GRPO group arrives, instead of waiting for another run's rollouts to end (no
+  replica can preempt them), and an idle run's share is lent out in full once it has been
+  idle for ``idle_s``. (A run that waits needs no reserve: it claims slots by its tags.)
+- **Fair order.** What cannot start waits in its run's FIFO queue. Each waiting rollout
+  gets a start tag (start-time fair queueing, unit cost per rollout): ``max(V, F_X)``,
+  and the run's finish tag ``F_X`` advances by ``1 / w_X``; ``V`` is the tag last granted.
+  A freed slot goes to the smallest tag among the queue heads it is permitted for, so
+  saturating runs get slots in proportion to their weights and a run that only now starts
+  waiting is served before another run's long backlog.
+
+A ticket is charged to a replica from the moment it is admitted, so two grants can never
+take the same slot; the routing decision then picks the replica it sends to (prefix
+affinity), and ``place`` moves the charge there. The shell bounds the wait: at the bound
+a ticket is charged beyond capacity (``overflow``) and sent anyway, since a rollout held
+forever would stall its run's step; the overflow is counted and alerted on.
+
+Pure: no I/O, no clock but the ``now`` each call is given.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["FairShare", "Ticket"]
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One rollout's claim on a slot. ``replica`` is where it is charged (-1 while it waits)."""
+
+    run: str
+    candidates: tuple[int, ...]
+    owner: _Run = field(repr=False)
+    tag: float = 0.0
+    replica: int = -1
+    overflow: bool = False
+
+    @property
+    def waiting(self) -> bool:
+        return self.replica < 0
+
+
+@dataclass(slots=True)
+class _Run:
+    weight: float = 1.0
+    used: Counter[int] = field(default_factory=Counter)
+    seen_on: frozenset[int] = frozenset()
+    """The candidates of its latest rollout: where it counts as active."""
+    last: float = float("-inf")
+    """When it last had a rollout end (or arrive)."""
+    finish: float = 0.0
+    """Its finish tag (start-time fair queueing)."""
+    queue: deque[Ticket] = field(default_factory=deque)
+    charged: int = 0
+    gone: bool = False
+    """A reload removed the run (``forget``): its tickets still out free nothing."""
+
+
+class FairShare:
+    """The slot books of every replica and every run; see the module docstring."""
+
+    def __init__(self, capacity: int, idle_s: float) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.capacity = capacity
+        self.idle_s = idle_s
+        self._used: Counter[int] = Counter()
+        self._runs: dict[str, _Run] = {}
+        self._vtime = 0.0
+
+    # -- what the shell calls
+
+    def request(
+        self, run: str, weight: float, candidates: Sequence[int], now: float
+    ) -> tuple[Ticket, list[Ticket]]:
+        """A rollout of ``run`` that may go to ``candidates``: charged at once when a slot
+        permits it (``ticket.waiting`` False), else queued behind the run's earlier ones.
+        Also returns the waiting tickets granted meanwhile: a changed weight or home set
+        moves the shares (rare: a reload, a placement)."""
+        state = self._run(run)
+        seen_on = frozenset(candidates)
+        moved = state.weight != weight or state.seen_on != seen_on
+        state.weight, state.seen_on, state.last = weight, seen_on, now
+        ticket = Ticket(run, tuple(candidates), state)
+        if not state.queue:
+            replica = self._permitted(state, ticket.candidates, now)
+            if replica is not None:
+                self._charge(ticket, state, replica)
+                return ticket, self.grant(now) if moved else []
+        ticket.tag = max(self._vtime, state.finish)
+        state.finish = ticket.tag + 1.0 / weight
+        state.queue.append(ticket)
+        return ticket, self.grant(now) if moved or len(state.queue) > 1 else []
+
+    def place(self, ticket: Ticket, replica: int, now: float) -> list[Ticket]:
+        """The routing decision sent the ticket's rollout to ``replica``: charge it there;
+        returns the waiting tickets the slot it left now serves."""
+        state = ticket.owner
+        if ticket.replica == replica or ticket.waiting or state.gone:
+            return []
+        self._uncharge(ticket, state)
+        self._charge(ticket, state, replica)
+        return self.grant(now)
+
+    def release(self, ticket: Ticket, now: float) -> list[Ticket]:
+        """The ticket's rollout ended (or left while waiting): free what it held; returns the
+        waiting tickets that now have a slot, in the order they were granted."""
+        state = ticket.owner
+        if state.gone:
+            return []
+        state.last = now
+        if ticket.waiting:
+            if ticket in state.queue:
+                state.queue.remove(ticket)
+            return self.grant(now)
+        self._uncharge(ticket, state)
+        return self.grant(now)
+
+    def overflow(self, ticket: Ticket, now: float) -> list[Ticket]:
+        """The ticket waited as long as the shell allows: charge it beyond capacity, on its
+        least used candidate, and let it go. Returns the tickets granted once it left the
+        head of its queue (the next one may fit elsewhere)."""
+        state = ticket.owner
+        if not ticket.waiting or state.gone:
+            return []
+        state.queue.remove(ticket)
+        ticket.overflow = True
+        self._charge(ticket, state, min(ticket.candidates, key=lambda r: (self._used[r], r)))
+        return self.grant(now)
+
+    def grant(self, now: float) -> list[Ticket]:
+        """Give free slots to waiting tickets: a run under its share first, then the
+        smallest tag, then the run holding least per weight, among those permitted."""
+        granted: list[Ticket] = []
+        while True:
+            best: tuple[tuple[bool, float, float], Ticket, _Run, int] | None = None
+            for state in self._runs.values():
+                if not state.queue:
+                    continue
+                head = state.queue[0]
+                replica = self._permitted(state, head.candidates, now)
+                if replica is None:
+                    continue
+                over = state.used[replica] >= self.share_of(state, replica, now)
+                key = (over, head.tag, state.charged / state.weight)
+                if best is None or key < best[0]:
+                    best = (key, head, state, replica)
+            if best is None:
+                return granted
+            key, ticket, state, replica = best
+            state.queue.popleft()
+            self._vtime = max(self._vtime, ticket.tag)
+            self._charge(ticket, state, replica)
+            granted.append(ticket)
+
+    def forget(self, run: str, now: float) -> tuple[list[Ticket], list[Ticket]]:
+        """A reload removed the run: drop its books. Returns its waiting tickets (the shell
+        lets them go: nothing waits on a run that no longer exists), and the other runs'
+        tickets that the slots it held now serve."""
+        state = self._runs.pop(run, None)
+        if state is None:
+            return [], []
+        state.gone = True
+        for replica, n in state.used.items():
+            self._used[replica] -= n
+        return list(state.queue), self.grant(now)
+
+    # -- what status and metrics read
+
+    def waiting(self, run: str) -> int:
+        state = self._runs.get(run)
+        return 0 if state is None else len(state.queue)
+
+    def charged(self, run: str) -> int:
+        state = self._runs.get(run)
+        return 0 if state is None else state.charged
+
+    def used(self, replica: int) -> int:
+        return self._used[replica]
+
+    def share(self, run: str, replica: int, now: float) -> float:
+        """``run``'s guaranteed slots on ``replica`` now (0 when it is not active there)."""
+        state = self._runs.get(run)
+        if state is None or not self._active(state, replica, now):
+            return 0.0
+        return self.capacity * state.weight / self._weights(replica, now)
+
+    # -- the rules
+
+    def _permitted(self, state: _Run, candidates: Iterable[int], now: float) -> int | None:
+        """The least used of ``candidates`` where ``state``'s run may take a slot, or None."""
+        best: int | None = None
+        for replica in candidates:
+            used = self._used[replica]
+            if used >= self.capacity:
+                continue
+            if best is not None and used >= self._used[best]:
+                continue
+            if self._may_take(state, replica, used, now):
+                best = replica
+        return best
+
+    def share_of(self, state: _Run, replica: int, now: float) -> float:
+        """``state``'s guaranteed slots on ``replica``, counting it as active there."""
+        return self.capacity * state.weight / self._weights(replica, now, also=state)
+
+    def _may_take(self, state: _Run, replica: int, used: int, now: float) -> bool:
+        total = self._weights(replica, now, also=state)
+        mine = state.used[replica]
+        if mine < self.capacity * state.weight / total:
+            return True  # within its guaranteed share
+        reserved = 0.0  # the unused shares of the other active runs that do not wait: a
+        for other in self._runs.values():  # waiting run claims its share by its tags
+            if other is state or other.queue or not self._active(other, replica, now):
+                continue
+            reserved += max(0.0, self.capacity * other.weight / total - other.used[replica])
+        return used + reserved < self.capacity
+
+    def _weights(self, replica: int, now: float, also: _Run | None = None) -> float:
+        total = 0.0
+        for state in self._runs.values():
+            if state is also or self._active(state, replica, now):
+                total += state.weight
+        return total
+
+    def _active(self, state: _Run, replica: int, now: float) -> bool:
+        if state.used[replica]:
+            return True
+        if replica not in state.seen_on:
+            return False
+        return bool(state.queue) or now - state.last < self.idle_s
+
+    def _run(self, run: str) -> _Run:
+        state = self._runs.get(run)
+        if state is None:
+            state = self._runs[run] = _Run()
+        return state
+
+    def _charge(self, ticket: Ticket, state: _Run, replica: int) -> None:
+        ticket.replica = replica
+        self._used[replica] += 1
+        state.used[replica] += 1
+        state.charged += 1
+
+    def _uncharge(self, ticket: Ticket, state: _Run) -> None:
+        replica = ticket.replica
+        self._used[replica] -= 1
+        state.used[replica] -= 1
+        state.charged -= 1
+        ticket.replica = -1
