@@ -263,7 +263,7 @@ class MultiRun:
             outcome = "applied" if plan or moves else "unchanged"
             self._count(outcome)
             log.info("runs reload (%s): %s: added %s, removed %s, key rotated %s, "
-                     "max_in_flight changed %s", why, outcome, list(plan.added),
+                     "max_in_flight or weight changed %s", why, outcome, list(plan.added),
                      list(plan.removed), list(plan.rotated), list(plan.limited))  # fmt: skip
             unplaced = {t.name: t.unplaced for t in tenancy if t.unplaced is not None}
             return {"outcome": outcome, **plan.summary(), "unplaced": unplaced}

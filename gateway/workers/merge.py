@@ -32,6 +32,8 @@ __all__ = ["add_workers", "merge_expositions"]
 _SUMMED_GAUGES = frozenset({
     "gateway_replica_in_flight_requests",
     "gateway_run_in_flight",
+    "gateway_run_fair_slots",
+    "gateway_run_fair_waiting",
     "gateway_routing_index_entries",
     "gateway_routing_index_bytes",
 })  # fmt: skip

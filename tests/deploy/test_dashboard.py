@@ -135,12 +135,21 @@ def test_required_panels_present(needle: str) -> None:
 
 
 def test_runs_row_groups_by_run() -> None:
-    """Every panel of the "Runs" row draws one series per run, of the per-run families."""
+    """Every panel of the "Runs" row draws one series per run, of the per-run families
+    (the fair share's too), but the reloads of the run set, by outcome."""
     panels = load()["panels"]
     start = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Runs")
     row = list(itertools.takewhile(lambda p: p["type"] != "row", panels[start + 1 :]))
-    assert len(row) == 5, [p["title"] for p in row]
+    assert len(row) == 8, [p["title"] for p in row]
+    (reloads,) = [p for p in row if p["title"] == "Run set reloads"]
+    assert reloads["targets"][0]["expr"].startswith("sum by (outcome) (increase(gateway_run_")
+    exprs = " ".join(t["expr"] for p in row for t in p["targets"])
+    for family in ("gateway_run_fair_slots", "gateway_run_fair_waiting",
+                   "gateway_run_fair_overflows_total"):  # fmt: skip
+        assert family in exprs, family
     for p in row:
+        if p is reloads:
+            continue
         for t in p["targets"]:
             assert "by (run)" in t["expr"] and "gateway_run_" in t["expr"], p["title"]
             assert "{{run}}" in t["legendFormat"], p["title"]
