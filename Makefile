@@ -26,7 +26,7 @@ help:
 	@echo "make bench-ceiling - max sustained req/s vs vllm-router, with a py-spy profile (<= 15 min)"
 	@echo "                     (bench/results/ceiling/)"
 	@echo "make bench-cores     - --workers N vs vllm-router on N cores (cores.*, a >= 16-CPU host)"
-	@echo "make bench-instructions - valgrind instructions per request, BASE vs this tree (instructions.*)"
+	@echo "make bench-instructions - valgrind instructions per request, BASE vs this tree (INSTR=instructions: its .json/.md)"
 	@echo "make bench-instructions-ablations - instructions.ablations.* (bench/ablate.py)"
 	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
 	@echo "make bench-train     - LoRA GRPO on CPU, gateway vs direct (train.*, train-*.{jsonl,png})"
@@ -109,14 +109,15 @@ define extract_base
 	git archive $(BASE) | tar -x -C $(BASE_TREE)
 endef
 
+INSTR ?= instructions
 bench-instructions: venv
 	$(extract_base)
 	$(BIN)/python bench/instructions.py --variant base=$(BASE_TREE) --variant current=$(CURDIR) \
-	    --json bench/results/instructions.json --md $(BASE_TREE).md
-	{ echo "# Instructions per request: $(BASE) vs this tree (make bench-instructions BASE=$(BASE))"; \
+	    --json bench/results/$(INSTR).json --md $(BASE_TREE).md
+	{ echo "# Instructions per request: $(BASE) vs this tree (make bench-instructions BASE=$(BASE) INSTR=$(INSTR))"; \
 	  echo; echo "This tree at \`$$(git rev-parse --short HEAD)\`. valgrind counts every user-space instruction"; \
 	  echo "(method: \`bench/instructions.py\`)."; \
-	  echo; cat $(BASE_TREE).md; } > bench/results/instructions.md
+	  echo; cat $(BASE_TREE).md; } > bench/results/$(INSTR).md
 
 # Copies of this tree with one feature switched off each (bench/ablate.py), against it.
 ABL_TREES := $(CURDIR)/.run/ablations

@@ -275,6 +275,8 @@ def test_a_reload_rereads_the_runs_and_names_other_changed_settings(tmp_path: Pa
             "  - {name: run-x, key: secret-x, adapter_root: /x, max_staleness: -1}\n",
             "max_staleness",
         ),
+        ("  - {name: run-x, key: secret-x, adapter_root: /x, weight: 0}\n", "runs[0].weight"),
+        ("  - {name: run-x, key: secret-x, adapter_root: /x, weight: fast}\n", "runs[0].weight"),
         ("  - {name: run-x, key: 'secret-x\n", "not valid YAML"),
         ("  []\n", "runs: is empty"),
     ],

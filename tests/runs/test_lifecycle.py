@@ -169,6 +169,8 @@ def test_a_plan_names_each_kind_of_change() -> None:
     p = plan(old, new)
     assert (p.added, p.removed, p.rotated, p.limited) == (("d",), ("b",), ("a",), ("c",))
     assert p.summary()["added"] == ["d"] and p and not plan(old, old)
+    heavier = RunTable([Run("a", b"k-a-0", 1, (Path("/r/a"),), weight=3.0)])
+    assert plan(RunTable([Run("a", b"k-a-0", 1, (Path("/r/a"),))]), heavier).limited == ("a",)
 
 
 def test_adapter_root_and_a_leaving_name_are_refused() -> None:
