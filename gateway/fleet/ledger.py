@@ -127,8 +127,10 @@ class Ledger:
         """The replica of the next attempt, its books opened; 503 when no candidate is
         left, or when this is a retry and the retry budget is spent."""
         remaining = entry.remaining
-        if remaining is None:  # the first attempt
-            entry.plan, entry.remaining = plan, (remaining := list(plan.candidates))
+        if remaining is None:  # the first attempt (a named run's: where it has a slot)
+            slot = entry.slot
+            remaining = list(plan.candidates) if slot is None else slot.room(plan.candidates)
+            entry.plan, entry.remaining = plan, remaining
             entry.started = time.perf_counter()
             self.retry_budget.record_request(self._rotation.clock())
         while True:

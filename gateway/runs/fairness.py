@@ -35,6 +35,11 @@ class Slot:
         self._gate = gate
         self._ticket = ticket
 
+    def room(self, candidates: list[int]) -> list[int]:
+        """Those of ``candidates`` with a slot for this rollout (its routing chooses among
+        them)."""
+        return self._gate.share.room(self._ticket, candidates, self._gate.now())
+
     def place(self, index: int) -> None:
         self._gate.place(self._ticket, index)
 
@@ -82,6 +87,9 @@ class FairGate:
             self._waiters.pop(ticket, None)
             usage.held_s += self._clock() - started
         return Slot(self, ticket)
+
+    def now(self) -> float:
+        return self._clock()
 
     def place(self, ticket: Ticket, index: int) -> None:
         self._wake(self.share.place(ticket, index, self._clock()))

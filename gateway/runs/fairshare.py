@@ -26,7 +26,10 @@ or ended less than ``idle_s`` ago: a GRPO run between two steps is still active)
 
 A ticket is charged to a replica from the moment it is admitted, so two grants can never
 take the same slot; the routing decision then picks the replica it sends to (prefix
-affinity), and ``place`` moves the charge there. The shell bounds the wait: at the bound
+affinity) among those with room for it (``room``: where it is charged, and where its run
+may take a slot), and ``place`` moves the charge there. So no replica is sent more than
+its capacity: what exceeds it would wait in the replica's own first-come queue, behind
+whoever came first. The shell bounds the wait: at the bound
 a ticket is charged beyond capacity (``overflow``) and sent anyway, since a rollout held
 forever would stall its run's step; the overflow is counted and alerted on.
 
@@ -109,6 +112,17 @@ class FairShare:
         state.finish = ticket.tag + 1.0 / weight
         state.queue.append(ticket)
         return ticket, self.grant(now) if moved or len(state.queue) > 1 else []
+
+    def room(self, ticket: Ticket, candidates: Sequence[int], now: float) -> list[int]:
+        """Those of ``candidates`` the ticket's rollout may be sent to: where it is charged,
+        and where its run may take a slot now (the routing decision chooses among these,
+        so no replica is sent more than its capacity). An overflow may go anywhere."""
+        state = ticket.owner
+        if ticket.overflow or state.gone:
+            return list(candidates)
+        used = self._used
+        return [r for r in candidates if r == ticket.replica or (
+                used[r] < self.capacity and self._may_take(state, r, used[r], now))]  # fmt: skip
 
     def place(self, ticket: Ticket, replica: int, now: float) -> list[Ticket]:
         """The routing decision sent the ticket's rollout to ``replica``: charge it there;

@@ -94,6 +94,16 @@ def test_placing_moves_the_charge_to_the_replica_routing_chose() -> None:
     assert t.replica == other and share.used(other) == 1 and share.used(1 - other) == 0
 
 
+def test_routing_chooses_only_among_replicas_with_room() -> None:
+    share = FairShare(capacity=2, idle_s=10)
+    full = [req(share, "a", [0], now=0) for _ in range(2)]
+    assert all(t.replica == 0 for t in full)
+    t = req(share, "a", [0, 1], now=0)
+    assert t.replica == 1 and share.room(t, [0, 1], now=0) == [1]  # replica 0 is full
+    share.release(full[0], now=1)
+    assert share.room(t, [0, 1], now=1) == [0, 1]
+
+
 def test_overflow_sends_a_waiter_beyond_capacity_and_is_released_like_any_slot() -> None:
     share = FairShare(capacity=1, idle_s=10)
     first = req(share, "a", [0], now=0)
@@ -185,11 +195,19 @@ class FairMachine(RuleBasedStateMachine):
         self._granted(granted)
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data(), replica=st.integers(0, 2))
-    def place(self, data: st.DataObject, replica: int) -> None:
+    @rule(data=st.data())
+    def route(self, data: st.DataObject) -> None:
+        """The routing decision picks any replica the ticket has room on."""
         t = data.draw(st.sampled_from(self.running))
-        if replica in t.candidates:
-            self._granted(self.share.place(t, replica, self.now))
+        room = self.share.room(t, t.candidates, self.now)
+        assert t.replica in room
+        self._granted(self.share.place(t, data.draw(st.sampled_from(room)), self.now))
+
+    @invariant()
+    def no_replica_is_sent_more_than_its_capacity_but_overflows(self) -> None:
+        for r in range(3):
+            overflows = sum(t.overflow and t.replica == r for t in self.running)
+            assert self.share.used(r) <= self.share.capacity + overflows
 
     @rule(dt=st.sampled_from([0.5, 6.0]))
     def time_passes(self, dt: float) -> None:

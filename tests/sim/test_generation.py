@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
 import orjson
+import pytest
 from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.latency import LatencyModel
 from rollout_testbed.sim.testing import SimURL, running_sim
+
+from tests.eventually import eventually
 
 PROMPT = list(range(10, 20))  # 10 tokens: 2 whole blocks of 4 + a partial block
 
@@ -263,3 +267,33 @@ async def test_metrics(sim: SimURL, client: httpx.AsyncClient) -> None:
         fresh = (await c2.get("/metrics")).text  # per-instance registry, not the global one
         assert "vllm:prefix_cache_queries_total{" in fresh
         assert 'vllm:prefix_cache_queries_total{engine="0",model_name="tiny-base"} 0.0' in fresh
+
+
+async def test_max_num_seqs_runs_that_many_and_queues_the_rest_in_order() -> None:
+    """vLLM's ``--max-num-seqs``: the rest wait first come, first served, counted in
+    ``vllm:num_requests_waiting`` (what the gateway's fair share is measured against)."""
+    slow = SimConfig(latency=LatencyModel(decode=0.05), max_num_seqs=2)
+    async with running_sim(slow) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        done: list[int] = []
+
+        async def one(i: int) -> None:
+            r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+            assert r.status_code == 200
+            done.append(i)
+
+        tasks = []
+        for i in range(5):
+            tasks.append(asyncio.ensure_future(one(i)))
+            await eventually(lambda n=i: url.sim.running + url.sim.waiting == n + 1, "queued")
+        assert (url.sim.running, url.sim.waiting) == (2, 3)
+        metrics = (await client.get("/metrics")).text
+        assert any(line.startswith("vllm:num_requests_waiting{") and line.endswith(" 3.0")
+                   for line in metrics.splitlines())  # fmt: skip
+        await asyncio.gather(*tasks)
+        assert done[2:] == [2, 3, 4]  # the waiting ones in arrival order
+        assert (url.sim.running, url.sim.waiting) == (0, 0)
+
+
+def test_max_num_seqs_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SimConfig(max_num_seqs=0)

@@ -315,7 +315,13 @@ def vllm_command(
 
 
 def sim_command(
-    python: str, *, port: int, host: str, max_loras: int, served_model_name: str
+    python: str,
+    *,
+    port: int,
+    host: str,
+    max_loras: int,
+    served_model_name: str,
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
     # `python -m rollout_testbed sim-replica` is the wired CLI; calling the module's main directly
     # keeps this independent of the CLI wiring.
@@ -323,7 +329,7 @@ def sim_command(
     return [
         python, "-c", code,
         "--port", str(port), "--host", host,
-        "--model", served_model_name, "--max-loras", str(max_loras),
+        "--model", served_model_name, "--max-loras", str(max_loras), *extra_args,
     ]  # fmt: skip
 
 
@@ -480,6 +486,8 @@ def start_replicas(
     ``ports`` overrides ``base_port`` (replica i gets ``ports[i]``); see
     ``rollout_testbed.procs.free_ports``. ``netns``: replica i runs inside ``netns[i]``
     and listens on its address instead of ``host`` (``rollout_testbed.local.netns``).
+    ``extra_args`` are added to each replica's command line (vLLM's flags, or with ``sim``
+    the simulated replica's: ``--latency-model``, ``--max-num-seqs``, ...).
     On any failure every replica started so far is stopped before the error propagates.
     Raises VllmNotInstalledError (vLLM missing) or ReplicaError.
     """
@@ -542,7 +550,7 @@ def start_replicas(
             if sim:
                 cmd = sim_command(
                     python, port=port, host=rhost, max_loras=max_loras,
-                    served_model_name=served_model_name,
+                    served_model_name=served_model_name, extra_args=extra_args,
                 )  # fmt: skip
             else:
                 assert mdir is not None

@@ -28,6 +28,9 @@ class SimConfig:
     block_size: int = 32
     cache_blocks: int = 4096
     latency: LatencyModel = field(default_factory=LatencyModel)
+    max_num_seqs: int | None = None
+    """vLLM's ``--max-num-seqs``: at most this many requests run at once, the rest wait
+    first come, first served (``vllm:num_requests_waiting``); None: no limit."""
     check_lora_paths: bool = False
     enable_prompt_tokens_details: bool = True  # --enable-prompt-tokens-details
     max_logprobs: int = 20
@@ -39,6 +42,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be positive")
         if self.cache_blocks < 0:
             raise ValueError("cache_blocks must be >= 0")
+        if self.max_num_seqs is not None and self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
 
     @property
     def root(self) -> str:

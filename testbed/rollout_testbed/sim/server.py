@@ -53,6 +53,9 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-blocks", type=int, default=d.cache_blocks)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="requests run at once (default: no limit)"
+    )
+    p.add_argument(
         "--latency-model",
         type=_latency,
         default=LatencyModel(),
@@ -76,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         cache_blocks=args.cache_blocks,
         max_model_len=args.max_model_len,
         latency=args.latency_model,
+        max_num_seqs=args.max_num_seqs,
         check_lora_paths=args.check_lora_paths,
     )
 

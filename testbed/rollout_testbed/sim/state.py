@@ -236,6 +236,8 @@ class SimState:
         self._idle = asyncio.Condition()
         self._hang_release = asyncio.Event()
         self._lora_locks: dict[str, asyncio.Lock] = {}
+        seqs = config.max_num_seqs
+        self._seqs = None if seqs is None else asyncio.Semaphore(seqs)  # FIFO, as vLLM's FCFS
         self.metrics = _Metrics(self)
 
     # -- models and adapters -------------------------------------------------------------
@@ -345,11 +347,14 @@ class SimState:
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[int]:
-        """Hold a running slot; waits (as "waiting") while paused. Yields the abort epoch."""
+        """Hold a running slot; waits (as "waiting") while paused, and while
+        ``max_num_seqs`` requests run (first come, first served). Yields the abort epoch."""
         self.waiting += 1
         try:
             while not self._admit.is_set():
                 await self._admit.wait()
+            if self._seqs is not None:
+                await self._seqs.acquire()
         finally:
             self.waiting -= 1
         self.running += 1
@@ -357,6 +362,8 @@ class SimState:
             yield self.abort_epoch
         finally:
             self.running -= 1
+            if self._seqs is not None:
+                self._seqs.release()
             async with self._idle:
                 self._idle.notify_all()
 
