@@ -7,8 +7,9 @@ rollout. So in multi-run mode the gateway counts each replica's rollouts against
 capacity (``replica_capacity``: set it to the replicas' ``--max-num-seqs``) and holds the
 excess itself, where it can choose the order.
 
-Two rules, both per replica, among the runs *active* there (a rollout in flight, waiting,
-or ended less than ``idle_s`` ago: a GRPO run between two steps is still active):
+Two rules, both per replica, among the runs *active* there (a rollout in flight there,
+one waiting that may go there, or one that ended there less than ``idle_s`` ago: a GRPO
+run between two steps is still active where its last group ran, and only there):
 
 - **Guaranteed share.** Run X's share of replica r is ``capacity * w_X / sum(w)`` over the
   runs active on r. X may always use its share. It may borrow beyond it only slots that
@@ -65,10 +66,9 @@ class Ticket:
 class _Run:
     weight: float = 1.0
     used: Counter[int] = field(default_factory=Counter)
-    seen_on: frozenset[int] = frozenset()
-    """The candidates of its latest rollout: where it counts as active."""
-    last: float = float("-inf")
-    """When it last had a rollout end (or arrive)."""
+    until: dict[int, float] = field(default_factory=dict)
+    """Per replica, until when it counts as active there with nothing in flight: its last
+    rollout there ended ``idle_s`` before."""
     finish: float = 0.0
     """Its finish tag (start-time fair queueing)."""
     queue: deque[Ticket] = field(default_factory=deque)
@@ -96,12 +96,11 @@ class FairShare:
     ) -> tuple[Ticket, list[Ticket]]:
         """A rollout of ``run`` that may go to ``candidates``: charged at once when a slot
         permits it (``ticket.waiting`` False), else queued behind the run's earlier ones.
-        Also returns the waiting tickets granted meanwhile: a changed weight or home set
-        moves the shares (rare: a reload, a placement)."""
+        Also returns the waiting tickets granted meanwhile: a changed weight moves the
+        shares (rare: a reload)."""
         state = self._run(run)
-        seen_on = frozenset(candidates)
-        moved = state.weight != weight or state.seen_on != seen_on
-        state.weight, state.seen_on, state.last = weight, seen_on, now
+        moved = state.weight != weight
+        state.weight = weight
         ticket = Ticket(run, tuple(candidates), state)
         if not state.queue:
             replica = self._permitted(state, ticket.candidates, now)
@@ -140,11 +139,11 @@ class FairShare:
         state = ticket.owner
         if state.gone:
             return []
-        state.last = now
         if ticket.waiting:
             if ticket in state.queue:
                 state.queue.remove(ticket)
             return self.grant(now)
+        state.until[ticket.replica] = now + self.idle_s
         self._uncharge(ticket, state)
         return self.grant(now)
 
@@ -256,11 +255,12 @@ class FairShare:
         return total
 
     def _active(self, state: _Run, replica: int, now: float) -> bool:
+        """In flight there, waiting for it, or there less than ``idle_s`` ago."""
         if state.used[replica]:
             return True
-        if replica not in state.seen_on:
-            return False
-        return bool(state.queue) or now - state.last < self.idle_s
+        if state.queue and replica in state.queue[0].candidates:
+            return True
+        return now < state.until.get(replica, -1.0)
 
     def _run(self, run: str) -> _Run:
         state = self._runs.get(run)
