@@ -5,7 +5,8 @@ vLLM venv's python, as the rest of the TRL layer (``harness``).
 
 * ``RunConf`` / ``gateway_config`` / ``MultiRunGateway``: one ``rollout-gateway serve``
   with a ``runs:`` YAML file (``docs/many-runs.md``), started as the layer's
-  ``GatewayProcess`` with ``--config``;
+  ``GatewayProcess`` with ``--config``; ``write_config`` and ``reload`` change its run set
+  live (``tests/trl/test_trl_runs_live.py``);
 * ``launch_run``: one TRL run (``harness.run_trl``) as its own OS process, in its own
   session (three trainers in one process would share TRL's, torch's and the recorder's
   global state); it streams its records to ``records.jsonl`` and writes ``result.json``;
