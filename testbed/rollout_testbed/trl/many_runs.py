@@ -5,7 +5,8 @@ vLLM venv's python, as the rest of the TRL layer (``harness``).
 
 * ``RunConf`` / ``gateway_config`` / ``MultiRunGateway``: one ``rollout-gateway serve``
   with a ``runs:`` YAML file (``docs/many-runs.md``), started as the layer's
-  ``GatewayProcess`` with ``--config``;
+  ``GatewayProcess`` with ``--config``; ``write_config`` and ``reload`` change its run set
+  live (``tests/trl/test_trl_runs_live.py``);
 * ``launch_run``: one TRL run (``harness.run_trl``) as its own OS process, in its own
   session (three trainers in one process would share TRL's, torch's and the recorder's
   global state); it streams its records to ``records.jsonl`` and writes ``result.json``;
@@ -107,12 +108,15 @@ class MultiRunGateway(H.GatewayProcess):
         work: Path,
         slots: int | None,
         run_pause: str = "scoped",
+        settings: dict[str, Any] | None = None,
     ) -> None:
         import yaml
 
         work.mkdir(parents=True, exist_ok=True)
         self.config_path = work / "gateway.yaml"
-        self.config = gateway_config(runs, slots=slots, run_pause=run_pause)
+        # ``settings``: more top-level keys of the file (e.g. ``discovery_interval_s``)
+        self.config = {**gateway_config(runs, slots=slots, run_pause=run_pause),
+                       **(settings or {})}  # fmt: skip
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         self.runs = {r.name: r for r in runs}
         super().__init__(replica_urls, port=free_port(), log_path=work / "gateway.log",
@@ -139,6 +143,30 @@ class MultiRunGateway(H.GatewayProcess):
         """``/server_info`` as the run sees it (its own Basic credentials)."""
         conf = self.runs[run]
         return dict(get_json(self.url + "/server_info?config_format=json", conf.key, run))
+
+    def write_config(self, runs: list[RunConf]) -> None:
+        """Rewrite the config file with ``runs`` as its ``runs:`` (every other key kept),
+        atomically (a file watch never reads half a file); ``runs`` become ``self.runs``.
+        The gateway applies it at its next reload (``reload``, SIGHUP or its file watch)."""
+        import yaml
+
+        entries = gateway_config(runs, slots=None, run_pause="scoped")["runs"]
+        self.config = {**self.config, "runs": entries}
+        tmp = self.config_path.with_name(self.config_path.name + ".tmp")
+        tmp.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        os.replace(tmp, self.config_path)
+        self.runs = {r.name: r for r in runs}
+
+    def reload(self, timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+        """``POST /gateway/runs/reload`` with the admin key: its status and JSON answer
+        (``{"outcome", "added", "removed", ...}``, or the error body)."""
+        status, body = request("POST", self.url + "/gateway/runs/reload", ADMIN_KEY,
+                               timeout=timeout)  # fmt: skip
+        try:
+            answer = json.loads(body) if body else {}
+        except ValueError:
+            answer = {"body": body[:500].decode(errors="replace")}
+        return status, dict(answer) if isinstance(answer, dict) else {"body": answer}
 
     def metrics(self) -> list[tuple[str, str, float]]:
         text = request("GET", self.url + "/metrics", ADMIN_KEY)[1].decode()
