@@ -42,9 +42,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -67,7 +67,9 @@ CAPACITY = 16  # the launcher's --max-num-seqs
 SIM_LATENCY = "prefill=1e-4,decode=0.02"  # per uncached prompt token, per generated token
 NO_SHARE = 100_000  # a capacity no replica has: nothing is ever held
 G = 8
-MAX_TOKENS = 16
+MAX_TOKENS = 64  # long enough that the replicas, not the clients and the gateway, are
+# the bottleneck on 2 cores (at 16 tokens the 128 clients of the weighted window kept the
+# replicas below capacity: nothing was held, so no order could apply)
 VOCAB = 2048
 KEYS = {"run-a": "key-a", "run-b": "key-b"}
 REPLICAS = {
@@ -129,12 +131,9 @@ async def groups_of_b(url: str, model: str, n: int, think_s: float, out: dict[st
 
         async def one(prompt: list[int], seed: int) -> str | None:
             t0 = time.perf_counter()
-            r = await c.post("/v1/completions", json=build_payload(model, prompt,
-                             max_tokens=MAX_TOKENS, seed=seed))  # fmt: skip
+            r = await post(c, model, prompt, seed, errors)
             lat.append((time.perf_counter() - t0) * 1000)
-            if r.status_code != 200:
-                errors[str(r.status_code)] += 1
-            replica: str | None = r.headers.get("x-gateway-replica")
+            replica: str | None = None if r is None else r.headers.get("x-gateway-replica")
             return replica
 
         for i, prompt in enumerate(pool):
@@ -161,10 +160,7 @@ async def flood(
                                  limits=httpx.Limits(max_connections=in_flight)) as c:  # fmt: skip
 
         async def one(prompt: list[int], seed: int) -> None:
-            r = await c.post("/v1/completions", json=build_payload(model, prompt,
-                             max_tokens=MAX_TOKENS, seed=seed))  # fmt: skip
-            if r.status_code != 200:
-                errors[str(r.status_code)] += 1
+            await post(c, model, prompt, seed, errors)
             done.append(time.monotonic())
 
         async def lane(k: int) -> None:
@@ -176,6 +172,21 @@ async def flood(
 
         await asyncio.gather(*(lane(k) for k in range(lanes)))
     return errors
+
+
+async def post(
+    c: httpx.AsyncClient, model: str, prompt: list[int], seed: int, errors: Counter[str]
+) -> httpx.Response | None:
+    """One rollout (TRL's body); a status other than 200, or a broken connection, counted."""
+    body = build_payload(model, prompt, max_tokens=MAX_TOKENS, seed=seed)
+    try:
+        r = await c.post("/v1/completions", json=body)
+    except httpx.HTTPError as exc:
+        errors[type(exc).__name__] += 1
+        return None
+    if r.status_code != 200:
+        errors[str(r.status_code)] += 1
+    return r
 
 
 def held(url: str, run: str) -> float:
@@ -379,7 +390,7 @@ def plot(d: dict[str, Any], png: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--groups", type=int, default=12, help="B's groups per window")
+    ap.add_argument("--groups", type=int, default=10, help="B's groups per window")
     ap.add_argument("--think-s", type=float, default=0.5)
     ap.add_argument("--flood", type=int, default=64, help="A's rollouts in flight")
     ap.add_argument("--ramp-s", type=float, default=5.0)
@@ -394,27 +405,27 @@ def main(argv: list[str] | None = None) -> int:
     meta = report.machine_info(("rollout-gateway",), date=time.strftime("%Y-%m-%d %H:%M UTC",
                                time.gmtime()))  # fmt: skip
     windows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="fair-share-") as tmp:
-        root = Path(tmp)
-        for run in KEYS:
-            (root / run).mkdir()
-        if args.replicas == "sim":
-            sim = ["--latency-model", SIM_LATENCY, "--max-num-seqs", str(CAPACITY)]
-            rs = start_replicas(2, ports=free_ports(2), state_file=root / "replicas.json",
-                                run_dir=root, sim=True, extra_args=sim)  # fmt: skip
-        else:
-            rs = start_replicas(2, args.model_dir, ports=free_ports(2),
-                                state_file=root / "replicas.json", run_dir=root,
-                                vllm_python=args.vllm_python, warmup_requests=4)  # fmt: skip
-        try:
-            print("replicas up:", rs.urls, flush=True)
-            for rnd in range(args.rounds):
-                order = KINDS if rnd % 2 == 0 else KINDS[::-1]
-                for kind in order:
-                    windows.append({"round": rnd, **window(rs, root, kind, args)})
-            heavy = weighted(rs, root, args)
-        finally:
-            stop_replicas(rs)
+    root = ROOT / ".run" / f"fair-share-{args.replicas}"  # kept: the processes' logs
+    shutil.rmtree(root, ignore_errors=True)
+    for run in KEYS:
+        (root / run).mkdir(parents=True)
+    if args.replicas == "sim":
+        sim = ["--latency-model", SIM_LATENCY, "--max-num-seqs", str(CAPACITY)]
+        rs = start_replicas(2, ports=free_ports(2), state_file=root / "replicas.json",
+                            run_dir=root, sim=True, extra_args=sim)  # fmt: skip
+    else:
+        rs = start_replicas(2, args.model_dir, ports=free_ports(2),
+                            state_file=root / "replicas.json", run_dir=root,
+                            vllm_python=args.vllm_python, warmup_requests=4)  # fmt: skip
+    try:
+        print("replicas up:", rs.urls, flush=True)
+        for rnd in range(args.rounds):
+            order = KINDS if rnd % 2 == 0 else KINDS[::-1]
+            for kind in order:
+                windows.append({"round": rnd, **window(rs, root, kind, args)})
+        heavy = weighted(rs, root, args)
+    finally:
+        stop_replicas(rs)
     data = {"meta": meta, "args": vars(args), "windows": windows,
             "summary": summarize(windows), "weighted": heavy}  # fmt: skip
     text = markdown(data)
