@@ -169,6 +169,9 @@ class MultiRun:
         self._wake = asyncio.Event()
         self._removals: set[asyncio.Task[None]] = set()
         self._expiries: list[asyncio.TimerHandle] = []
+        self._stamp: object = None
+        """The config file's stamp when it was last read, by whichever reload read it (the
+        watch, SIGHUP or the admin's POST): the watch reloads only a file it has not seen."""
 
     def viewer(self, admin: bool, client: Callable[[], object], run: Callable[[], Tenant]
                ) -> Tenant | None:  # fmt: skip
@@ -231,6 +234,7 @@ class MultiRun:
                 "holds the run set; restart the gateway to apply the config file's runs."
             )
         async with self._lock:
+            self._stamp = config_stamp(settings)
             try:
                 found = reread_runs(settings)
             except ValueError as exc:
@@ -315,16 +319,17 @@ class MultiRun:
 
     async def watch(self, fleet: RunFleet) -> None:
         settings = fleet.settings
-        stamp = await asyncio.to_thread(config_stamp, settings)
+        if self._stamp is None:
+            self._stamp = await asyncio.to_thread(config_stamp, settings)
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(settings.discovery_interval_s):
                     await self._wake.wait()
             woke, now = self._wake.is_set(), await asyncio.to_thread(config_stamp, settings)
             self._wake.clear()
-            if not woke and now == stamp:
-                continue
-            stamp = now
+            if not woke and now == self._stamp:
+                continue  # unchanged, or already read by a POST or SIGHUP reload
+            self._stamp = now
             try:
                 await self.reload(fleet, "SIGHUP" if woke else "config file changed")
             except GatewayError as exc:

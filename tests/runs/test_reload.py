@@ -108,6 +108,29 @@ async def test_a_run_added_by_a_reload_loads_and_rolls_out_at_once(tmp_path: Pat
         assert 'gateway_run_requests_total{run="run-b"} 1.0' in metrics
 
 
+async def test_the_file_watch_does_not_reload_again_what_a_post_applied(tmp_path: Path) -> None:
+    """The watch and the admin's POST share one record of the file: a change the POST
+    applied is not reloaded again by the watch ("unchanged"), nor taken by the watch
+    first so that the POST's answer names nothing."""
+    a, b, c = (spec(tmp_path, n) for n in ("run-a", "run-b", "run-c"))
+    async with live(tmp_path, [a], discovery_interval_s=0.1) as g:
+        reloads = g.gateway.tenancy.reloads
+        g.write([a, b])
+        r = await g.reload()  # the watch may have taken it first: then the POST says so
+        assert r.status_code == 200, r.text
+        first = r.json()
+        # Five ticks of the watch for it to reload [a, b] again (what it did: its own stamp
+        # was stale). Correct code does nothing here at any speed, so this cannot fail it.
+        await asyncio.sleep(0.5)
+        g.write([a, b, c])  # the marker: the watch applies this one, after the POST
+        await eventually(lambda: "run-c" in g.gateway.tenancy.tenants, "the watch's reload")
+        await eventually(lambda: reloads.get("applied") == 2, "two applied reloads")
+        # exactly one reload read [a, b]: the POST (applied) or the watch (then the POST's
+        # answer is "unchanged"); never both
+        took_it = first["outcome"] == "applied" and first["added"] == ["run-b"]
+        assert reloads.get("unchanged", 0) == (0 if took_it else 1), (first, reloads)
+
+
 async def test_a_removed_run_stops_at_once_and_its_rollout_is_aborted_after_its_grace(
     tmp_path: Path,
 ) -> None:
