@@ -228,6 +228,9 @@ class AdapterManager:
     def request_finished(self, name: str, replica: int) -> None:
         self.core.request_finished(name, replica)
 
+    def in_flight_on(self, replica: int) -> int:
+        return self.core.in_flight_on(replica)
+
     def salt(self, name: str, replica: int) -> str | None:
         return self.core.salt(name, replica)
 

@@ -24,7 +24,8 @@ Algorithm (:func:`place`; :func:`admit` and :func:`release` are its one-run case
    more homes until joins take their extras (richest first) or leaves feed the poorest.
 
 A run *fits* iff some replica has ``budget - pinned >= slots`` (pinned: slots of runs homed
-only there); else it gets a :class:`PlacementError` naming the budget, and no homes at all.
+only there, or whose last kept previous home it is: evicting that would relocate the run);
+else it gets a :class:`PlacementError` naming the budget, and no homes at all.
 
 Minimal movement, precisely (each is a test in ``tests/adapters/test_placement.py``):
 

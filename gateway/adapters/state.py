@@ -543,6 +543,10 @@ class AdapterRegistry(RequestCounts):
     def in_flight(self, name: str, replica: int) -> int:
         return self._inflight[(name, replica)]
 
+    def in_flight_on(self, replica: int) -> int:
+        """Requests on ``replica`` for any of this registry's adapters."""
+        return sum(n for (_, r), n in self._inflight.items() if r == replica)
+
     def salt(self, name: str, replica: int) -> str | None:
         """The ``cache_salt`` requests for ``name`` on ``replica`` carry: one per load
         generation of that copy.

@@ -13,11 +13,12 @@ run between two steps is still active where its last group ran, and only there):
 
 - **Guaranteed share.** Run X's share of replica r is ``capacity * w_X / sum(w)`` over the
   runs active on r. X may always use its share. It may borrow beyond it only slots that
-  the unused shares of the other active runs, those not waiting, do not need:
+  the unused shares of the other active runs, those not waiting for it, do not need:
   ``used[r] + reserved < capacity``. So a run under its share finds its slots free when
   its next GRPO group arrives, instead of waiting for another run's rollouts to end (no
   replica can preempt them), and an idle run's share is lent out in full once it has been
-  idle for ``idle_s``. (A run that waits needs no reserve: it claims slots by its tags.)
+  idle for ``idle_s``. (A run that waits for the replica needs no reserve there: it
+  claims its slots by its tags.)
 - **Fair order.** What cannot start waits in its run's FIFO queue. Each waiting rollout
   gets a start tag (start-time fair queueing, unit cost per rollout): ``max(V, F_X)``,
   and the run's finish tag ``F_X`` advances by ``1 / w_X``; ``V`` is the tag last granted.
@@ -110,7 +111,7 @@ class FairShare:
         ticket.tag = max(self._vtime, state.finish)
         state.finish = ticket.tag + 1.0 / weight
         state.queue.append(ticket)
-        return ticket, self.grant(now) if moved or len(state.queue) > 1 else []
+        return ticket, self.grant(now)  # a run that waits claims by tags, not by reserve
 
     def room(self, ticket: Ticket, candidates: Sequence[int], now: float) -> list[int]:
         """Those of ``candidates`` the ticket's rollout may be sent to: where it is charged,
@@ -240,9 +241,11 @@ class FairShare:
         mine = state.used[replica]
         if mine < self.capacity * state.weight / total:
             return True  # within its guaranteed share
-        reserved = 0.0  # the unused shares of the other active runs that do not wait: a
-        for other in self._runs.values():  # waiting run claims its share by its tags
-            if other is state or other.queue or not self._active(other, replica, now):
+        reserved = 0.0  # the unused shares of the other active runs that do not wait for this
+        for other in self._runs.values():  # replica: one that does claims it by its tags
+            if other is state or not self._active(other, replica, now):
+                continue
+            if other.queue and replica in other.queue[0].candidates:
                 continue
             reserved += max(0.0, self.capacity * other.weight / total - other.used[replica])
         return used + reserved < self.capacity

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -278,6 +279,7 @@ class MultiRun:
         home a kept run gained is reconciled (its live versions loaded) at once, so that
         it serves the run now rather than after the next health round."""
         lost = {r for change, _, r in moves if change is Change.LOSE}
+        await self._drained_off(fleet, moves)
         await asyncio.gather(*(sweep(fleet, r) for r in sorted(lost)))
         healthy = set(fleet.pool.healthy_indices())
         tenants = self.tenancy.tenants
@@ -285,6 +287,25 @@ class MultiRun:
                   if change is Change.GAIN and run in tenants and run not in skip
                   and r in healthy]  # fmt: skip
         await asyncio.gather(*(t.manager.reconcile(r) for t, r in gained))
+
+    async def _drained_off(self, fleet: RunFleet, moves: Sequence[tuple[Change, str, int]]) -> None:
+        """Before a lost home is swept: the rollouts the run already sent there (routed
+        before the move, maybe still on their way) may finish, for up to
+        ``adapter_unload_grace_s`` as a retired version's copy may; an unload under them
+        would answer them 404."""
+        tenants = self.tenancy.tenants
+        lost = [(tenants[run].manager, r) for change, run, r in moves
+                if change is Change.LOSE and run in tenants]  # fmt: skip
+        deadline = time.monotonic() + fleet.settings.adapter_unload_grace_s
+        # The counts live in each run's pure adapter core, which signals nothing: a bounded
+        # poll (moves are rare: a reload that re-places runs).
+        while any(m.in_flight_on(r) for m, r in lost) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        for m, r in lost:
+            if m.in_flight_on(r):
+                log.warning("replica %d left a run's homes with %d of its rollouts still in "
+                            "flight after adapter_unload_grace_s; sweeping it anyway",
+                            r, m.in_flight_on(r))  # fmt: skip
 
     def _count(self, outcome: str) -> None:
         reloads = self.tenancy.reloads

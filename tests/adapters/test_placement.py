@@ -77,12 +77,16 @@ def check_valid(p: Placement, runs: Mapping[str, int], budgets: Mapping[int, int
         assert p.homes(run) and p.ordered_homes(run) == tuple(sorted(p.homes(run)))
 
 
-def headroom(p: Placement) -> int:
-    """Independent of ``Placement.headroom``: the most a replica can free of extra homes."""
+def headroom(p: Placement, previous: Placement | None = None) -> int:
+    """Independent of ``Placement.headroom``: the most a replica can free of extra homes.
+    A run's only home is pinned, and so is the last of its ``previous`` homes it kept
+    (evicting that one would relocate it: ``test_replica_joining_never_relocates...``)."""
     pinned: Counter[int] = Counter()
     for run in p.runs:
-        if len(p.homes(run)) == 1:
-            pinned[next(iter(p.homes(run)))] += p.slots[run]
+        kept = p.homes(run) & previous.homes(run) if previous is not None else frozenset()
+        only = p.homes(run) if len(p.homes(run)) == 1 else kept if len(kept) == 1 else None
+        if only:
+            pinned[next(iter(only))] += p.slots[run]
     return max((b - pinned[r] for r, b in p.budgets.items()), default=0)
 
 
@@ -94,7 +98,10 @@ def check_saturated(p: Placement) -> None:
 
 
 def check_outcome(
-    result: Placement | PlacementError, runs: Mapping[str, int], budgets: Mapping[int, int]
+    result: Placement | PlacementError,
+    runs: Mapping[str, int],
+    budgets: Mapping[int, int],
+    previous: Placement | None = None,
 ) -> Placement:
     p = settle(result)
     check_valid(p, runs, budgets)
@@ -102,7 +109,7 @@ def check_outcome(
     if isinstance(result, PlacementError):
         assert set(result.needs) == set(runs) - p.runs and result.needs
         for run, need in result.needs.items():
-            assert need > headroom(p), f"{run} was refused but fits"
+            assert need > headroom(p, previous), f"{run} was refused but fits"
             assert f"run {run!r} needs {need}" in str(result)
     else:
         assert p.runs == set(runs)
@@ -181,7 +188,7 @@ class FleetMachine(RuleBasedStateMachine):
         runs: Mapping[str, int],
         budgets: Mapping[int, int],
     ) -> Placement:
-        q = check_outcome(result, runs, budgets)
+        q = check_outcome(result, runs, budgets, self.p)
         check_reconcile(self.p, q)
         check_irredundant(self.p, q)
         return q
@@ -273,7 +280,7 @@ TestFleetMachine = FleetMachine.TestCase
 def test_place_is_valid_saturated_and_refuses_only_what_cannot_fit(
     p: Placement, runs: dict[str, int], budgets: dict[int, int]
 ) -> None:
-    q = check_outcome(place(p, runs, budgets), runs, budgets)
+    q = check_outcome(place(p, runs, budgets), runs, budgets, p)
     check_reconcile(p, q)
 
 

@@ -20,6 +20,7 @@ from rollout_testbed.serve import serve_asgi
 from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.latency import LatencyModel
 
+from gateway.adapters.placement import Change, Placement, diff, place
 from gateway.app import create_app
 from gateway.config import load_settings
 from gateway.core import Gateway
@@ -188,6 +189,47 @@ async def test_a_removed_runs_held_rollouts_are_answered_after_its_grace(tmp_pat
         answer = await asyncio.wait_for(held, 10)
         assert answer.status_code == 503 and "removed" in answer.json()["error"]["message"]
         await eventually(lambda: not g.gateway.tenancy.leaving, "run-a gone")
+
+
+async def test_a_run_moved_off_a_replica_finishes_its_rollouts_there_first(
+    tmp_path: Path,
+) -> None:
+    """A joining run takes a home of a kept run: what the kept run already sent there
+    (routed before the move, maybe still on its way) finishes before its adapter is
+    unloaded from that replica, so none of it meets a 404. The reload's answer waits for
+    that, up to ``adapter_unload_grace_s``."""
+    a, b, c = (spec(tmp_path, n) for n in ("run-a", "run-b", "run-c"))
+    slow = SimConfig(latency=LatencyModel(decode=0.05))  # 30 tokens: 1.5 s
+    async with live(tmp_path, [a, b], sim=slow) as g:
+        for name in ("run-a", "run-b"):
+            async with g.run(name) as client:
+                r = await client.post("/v1/load_lora_adapter", json=load(tmp_path, name, 1))
+                assert r.status_code == 200, r.text
+        tenancy = g.gateway.tenancy
+        assert tenancy.placement is not None
+        after = place(tenancy.placement, {**tenancy.placement.slots, "run-c": 3},
+                      tenancy.placement.budgets)  # fmt: skip
+        assert isinstance(after, Placement)
+        ((mover, lost),) = [(m.run, m.replica) for m in diff(tenancy.placement, after)
+                            if m.change is Change.LOSE]  # fmt: skip
+        body = {**COMPLETION, "model": "trl-policy-v1", "max_tokens": 30}
+        async with g.run(mover) as client:
+            sent = []
+            for i in range(8):  # until one of them runs on the replica the mover will lose
+                one = {**body, "prompt": [i + 1] * 40}
+                sent.append(asyncio.ensure_future(client.post("/v1/completions", json=one)))
+                await eventually(lambda n=i: g.tenant(mover).in_flight == n + 1, "sent")
+                if g.tenant(mover).manager.in_flight_on(lost):
+                    break
+            assert g.tenant(mover).manager.in_flight_on(lost), "none went to that replica"
+            g.write([a, b, c])
+            r = await g.reload()
+            assert r.status_code == 200 and r.json()["added"] == ["run-c"], r.text
+            assert all(task.done() for task in sent)  # drained before the reload answered
+            assert [t.result().status_code for t in sent] == [200] * len(sent)
+        assert lost not in g.tenant(mover).homes
+        held = [n for n in g.replicas[lost].app.state.sim.adapters if n.startswith(f"{mover}~")]
+        assert not held, held
 
 
 async def test_a_larger_budget_places_the_run_that_did_not_fit(tmp_path: Path) -> None:
