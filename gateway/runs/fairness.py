@@ -46,10 +46,6 @@ class Slot:
     def release(self) -> None:
         self._gate.release(self._ticket)
 
-    @property
-    def overflow(self) -> bool:
-        return self._ticket.overflow
-
 
 class FairGate:
     def __init__(

@@ -173,13 +173,13 @@ class FairShare:
                 replica = self._permitted(state, head.candidates, now)
                 if replica is None:
                     continue
-                over = state.used[replica] >= self.share_of(state, replica, now)
+                over = state.used[replica] >= self._share_of(state, replica, now)
                 key = (over, head.tag, state.charged / state.weight)
                 if best is None or key < best[0]:
                     best = (key, head, state, replica)
             if best is None:
                 return granted
-            key, ticket, state, replica = best
+            _, ticket, state, replica = best
             state.queue.popleft()
             self._vtime = max(self._vtime, ticket.tag)
             self._charge(ticket, state, replica)
@@ -210,13 +210,6 @@ class FairShare:
     def used(self, replica: int) -> int:
         return self._used[replica]
 
-    def share(self, run: str, replica: int, now: float) -> float:
-        """``run``'s guaranteed slots on ``replica`` now (0 when it is not active there)."""
-        state = self._runs.get(run)
-        if state is None or not self._active(state, replica, now):
-            return 0.0
-        return self.capacity * state.weight / self._weights(replica, now)
-
     # -- the rules
 
     def _permitted(self, state: _Run, candidates: Iterable[int], now: float) -> int | None:
@@ -232,14 +225,13 @@ class FairShare:
                 best = replica
         return best
 
-    def share_of(self, state: _Run, replica: int, now: float) -> float:
+    def _share_of(self, state: _Run, replica: int, now: float) -> float:
         """``state``'s guaranteed slots on ``replica``, counting it as active there."""
         return self.capacity * state.weight / self._weights(replica, now, also=state)
 
     def _may_take(self, state: _Run, replica: int, used: int, now: float) -> bool:
         total = self._weights(replica, now, also=state)
-        mine = state.used[replica]
-        if mine < self.capacity * state.weight / total:
+        if state.used[replica] < self.capacity * state.weight / total:
             return True  # within its guaranteed share
         reserved = 0.0  # the unused shares of the other active runs that do not wait for this
         for other in self._runs.values():  # replica: one that does claims it by its tags

@@ -7,6 +7,9 @@ rollouts long enough to overlap."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +17,7 @@ import httpx
 from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.latency import LatencyModel
 
-from tests.cluster import cluster
+from tests.cluster import Cluster, cluster
 from tests.eventually import eventually
 from tests.runs.test_many_runs import as_run, run_specs
 
@@ -27,25 +30,47 @@ def fair(c: Any, run: str) -> dict[str, Any]:
     return dict(entry["fair"])
 
 
-async def test_a_run_under_its_share_passes_the_floods_backlog(tmp_path: Path) -> None:
-    specs = run_specs(tmp_path, ("flood", "steady"))
-    async with (
-        cluster(1, SLOW, runs=specs, replica_capacity=2, lora_slots_per_replica=8) as c,
-        as_run(c, "flood") as a,
-        as_run(c, "steady") as b,
-    ):
-        done: list[str] = []
+@dataclass
+class Pair:
+    """Two runs on one slow sim replica of ``capacity`` slots, and the order in which
+    their rollouts came back (each tagged by the caller)."""
 
-        async def rollout(client: httpx.AsyncClient, who: str) -> int:
-            r = await client.post("/v1/completions", json=ROLLOUT)
-            done.append(who)
+    c: Cluster
+    clients: tuple[httpx.AsyncClient, httpx.AsyncClient]
+    done: list[str] = field(default_factory=list)
+
+    def rollout(self, run: int, who: str) -> asyncio.Future[int]:
+        async def go() -> int:
+            r = await self.clients[run].post("/v1/completions", json=ROLLOUT)
+            self.done.append(who)
             return r.status_code
 
-        flood = [asyncio.ensure_future(rollout(a, f"a{i}")) for i in range(8)]
+        return asyncio.ensure_future(go())
+
+
+@asynccontextmanager
+async def pair(
+    tmp_path: Path, names: tuple[str, str], capacity: int, weights: tuple[float, float] = (1, 1)
+) -> AsyncIterator[Pair]:
+    specs = run_specs(tmp_path, names)
+    for spec, weight in zip(specs, weights, strict=True):
+        spec["weight"] = weight
+    async with (
+        cluster(1, SLOW, runs=specs, replica_capacity=capacity, lora_slots_per_replica=8) as c,
+        as_run(c, names[0]) as a,
+        as_run(c, names[1]) as b,
+    ):
+        yield Pair(c, (a, b))
+
+
+async def test_a_run_under_its_share_passes_the_floods_backlog(tmp_path: Path) -> None:
+    async with pair(tmp_path, ("flood", "steady"), capacity=2) as p:
+        c, (a, _), done = p.c, p.clients, p.done
+        flood = [p.rollout(0, f"a{i}") for i in range(8)]
         await eventually(lambda: fair(c, "flood")["waiting"] == 6, "6 of the flood held")
         assert fair(c, "flood")["slots"] == 2  # capacity, no more
         await eventually(lambda: c.sim(0).running == 2, "two at the replica")
-        steady = [asyncio.ensure_future(rollout(b, f"b{i}")) for i in range(2)]
+        steady = [p.rollout(1, f"b{i}") for i in range(2)]
         await eventually(lambda: fair(c, "steady")["waiting"] == 2, "the steady run held")
         codes = await asyncio.wait_for(asyncio.gather(*flood, *steady), 30)
         assert codes == [200] * 10
@@ -65,27 +90,16 @@ async def test_a_run_under_its_share_passes_the_floods_backlog(tmp_path: Path) -
 
 
 async def test_weights_set_the_order_of_saturating_runs(tmp_path: Path) -> None:
-    specs = run_specs(tmp_path, ("heavy", "light"))
-    specs[0]["weight"] = 3
-    async with (
-        cluster(1, SLOW, runs=specs, replica_capacity=1, lora_slots_per_replica=8) as c,
-        as_run(c, "heavy") as h,
-        as_run(c, "light") as light,
-    ):
-        done: list[str] = []
-
-        async def rollout(client: httpx.AsyncClient, who: str) -> None:
-            r = await client.post("/v1/completions", json=ROLLOUT)
-            assert r.status_code == 200, r.text
-            done.append(who)
-
-        first = asyncio.ensure_future(rollout(h, "h"))  # takes the one slot
+    async with pair(tmp_path, ("heavy", "light"), capacity=1, weights=(3, 1)) as p:
+        c, done = p.c, p.done
+        first = p.rollout(0, "h")  # takes the one slot
         await eventually(lambda: c.sim(0).running == 1, "the slot taken")
-        tasks = [asyncio.ensure_future(rollout(h, "h")) for _ in range(6)]
+        tasks = [p.rollout(0, "h") for _ in range(6)]
         await eventually(lambda: fair(c, "heavy")["waiting"] == 6, "heavy's backlog held")
-        tasks += [asyncio.ensure_future(rollout(light, "l")) for _ in range(2)]
+        tasks += [p.rollout(1, "l") for _ in range(2)]
         await eventually(lambda: fair(c, "light")["waiting"] == 2, "light's held")
-        await asyncio.wait_for(asyncio.gather(first, *tasks), 30)
+        codes = await asyncio.wait_for(asyncio.gather(first, *tasks), 30)
+        assert codes == [200] * 9
         # The first ran alone. Then start tags: heavy's 0, 1/3, 2/3, 1, ... (weight 3) and
         # light's 0, 1 (weight 1); a tie goes to heavy, which was first in line: three of
         # heavy's for each of light's.
