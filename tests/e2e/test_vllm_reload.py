@@ -63,15 +63,18 @@ def test_reload_in_place_answers_with_the_new_weights_on_every_replica(
     with httpx.Client(base_url=env.url, timeout=180) as c:
         load(c, "reload-policy-v1", same)
         load(c, "fresh-policy-v1", fresh)
-        # prompts until both replicas served one (routing is by prefix: bounded tries)
+        # prompts until both replicas served one on which A and C answer differently
+        # (routing is by prefix, and the tiny model's adapters sometimes agree on a
+        # prompt: such a prompt would make the check blind, so it is skipped; bounded tries)
         prompts: dict[int, tuple[list[int], list[int]]] = {}
-        for _ in range(16):
+        for _ in range(24):
             prompt = random_prompt(BLOCKS * VLLM_BLOCK + 3)
             a, _, replica = greedy(c, "reload-policy-v1", prompt)
             again, cached, replica_again = greedy(c, "reload-policy-v1", prompt)
             assert replica_again == replica and again == a
             assert cached >= BLOCKS * VLLM_BLOCK  # its blocks are cached under A
-            prompts.setdefault(replica, (prompt, a))
+            if replica not in prompts and greedy(c, "fresh-policy-v1", prompt)[0] != a:
+                prompts[replica] = (prompt, a)
             if len(prompts) == len(env.urls):
                 break
         assert len(prompts) == len(env.urls), f"only replicas {sorted(prompts)} served"
@@ -80,7 +83,7 @@ def test_reload_in_place_answers_with_the_new_weights_on_every_replica(
         load(c, "reload-policy-v1", same)  # the gateway reloads it in place everywhere
         for replica, (prompt, a) in sorted(prompts.items()):
             expected, _, _ = greedy(c, "fresh-policy-v1", prompt)
-            assert expected != a, "adapters 3 and 9 answer alike: the check would be blind"
+            assert expected != a  # chosen so above: the check is not blind
             after, cached, served = greedy(c, "reload-policy-v1", prompt)
             assert served == replica
             assert cached == 0  # a new generation: A's blocks are never matched

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.helpers import FAST, read_jsonl, run_in_process, start_trainer, wire_calls
+from trainer.checkpoint import find_checkpoint
 from trainer.metrics import parse_prometheus
 from trainer.stack import sim_gateway
 
@@ -19,14 +20,16 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_kill_and_resume_continues_numbering(tmp_path: Path) -> None:
-    S, total = 1, 9
+    S, total = 1, 12
     out = tmp_path / "run"
     common = [*FAST, "--output-dir", str(out), "--max-staleness", str(S), "--save-steps", "3",
               "--max-steps", str(total)]  # fmt: skip
     with sim_gateway(2, S, tmp_path / "logs") as stack:
         first = start_trainer([*common, "--gateway", stack.url], tmp_path / "run1.log")
         deadline = time.monotonic() + 150
-        # kill -9 the whole run (driver + its reward process) once it is past checkpoint-3
+        # kill -9 the whole run (driver + its reward process) once it is past checkpoint-3;
+        # it may be past a later checkpoint by the time it is stopped, so what follows is
+        # reckoned from the newest checkpoint on disk once the run is frozen (SIGSTOP)
         while time.monotonic() < deadline:
             rows = read_jsonl(out / "metrics.jsonl")
             if (out / "checkpoint-3").is_dir() and rows and rows[-1]["step"] >= 4:
@@ -35,12 +38,18 @@ def test_kill_and_resume_continues_numbering(tmp_path: Path) -> None:
             time.sleep(0.2)
         else:
             pytest.fail("run 1 never got past checkpoint-3")
+        os.killpg(first.pid, signal.SIGSTOP)
+        newest = find_checkpoint(out, "latest")
+        assert newest is not None
+        ck = int(newest.name.removeprefix("checkpoint-"))
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
+        assert ck < total, "run 1 finished before it was killed"
         killed_calls = wire_calls(out / "control-wire.jsonl")
         killed_loads = [n for p, n in killed_calls if p == "/v1/load_lora_adapter"]
-        saved = json.loads((out / "checkpoint-3" / "rollout_state.json").read_text())
-        assert saved["model_version"] == 4  # v1 cold + 3 syncs
+        saved = json.loads((newest / "rollout_state.json").read_text())
+        assert saved["model_version"] == ck + 1  # v1 cold + one sync a step
+        resumed = ck + 2  # the first version the resumed run loads
         assert len(killed_loads) >= 5  # the killed run got ahead of its checkpoint
 
         rc = run_in_process([*common, "--gateway", stack.url, "--resume-from-checkpoint", "latest"])
@@ -50,7 +59,7 @@ def test_kill_and_resume_continues_numbering(tmp_path: Path) -> None:
 
     calls = wire_calls(out / "control-wire.jsonl")[len(killed_calls) :]
     summary = json.loads((out / "summary.json").read_text())
-    # 1. leftovers of the killed run are unloaded first, then numbering continues at v5
+    # 1. leftovers of the killed run are unloaded first, then numbering continues
     # The driver records a call after its response, so the kill can land between the
     # gateway loading a version and the record: at most one leftover beyond the wire log.
     leftovers = summary["leftovers_unloaded"]
@@ -60,8 +69,8 @@ def test_kill_and_resume_continues_numbering(tmp_path: Path) -> None:
     k = len(leftovers)
     assert calls[:k] == [("/v1/unload_lora_adapter", n) for n in leftovers]
     loads = [n for p, n in calls if p == "/v1/load_lora_adapter"]
-    assert loads[0] == "trl-policy-v5"
-    assert loads == [f"trl-policy-v{v}" for v in range(5, 5 + len(loads))]
+    assert loads[0] == f"trl-policy-v{resumed}"
+    assert loads == [f"trl-policy-v{v}" for v in range(resumed, resumed + len(loads))]
     # 2. no collision: every reused name that was still live at resume (a leftover) was
     #    unloaded before it was loaded again, and the gateway never had to reload a name in
     #    place (every load a clean "ok"). A name the killed run loaded and the gateway had
@@ -75,9 +84,9 @@ def test_kill_and_resume_continues_numbering(tmp_path: Path) -> None:
     assert set(outcomes) == {"ok"}
     # 3. steps continue from the checkpoint; the prompt cursor moved on
     rows = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, total + 1))  # history truncated at 3
-    assert rows[3]["model_version"] == 6  # step 4 ran on resumed v5, then synced v6
-    assert summary["steps"] == total and summary["first_version"] == 5
+    assert [r["step"] for r in rows] == list(range(1, total + 1))  # history truncated at ck
+    assert rows[ck]["model_version"] == resumed + 1  # step ck+1 ran on the resumed version
+    assert summary["steps"] == total and summary["first_version"] == resumed
     assert summary["failed_groups"] == 0 and summary["staleness_max"] <= S
     final = json.loads((out / f"checkpoint-{total}" / "rollout_state.json").read_text())
     assert final["model_version"] == summary["last_version"]
