@@ -7,7 +7,7 @@ VLLM_PY := $(CURDIR)/.venv-vllm/bin/python
 # The vLLM venv runs the trainer and the TRL layer from the tree (gateway, testbed, trainer).
 VLLM_PATH := $(CURDIR):$(CURDIR)/testbed
 
-.PHONY: help venv vllm tools lint test test-fast test-container image demo bench bench-soak bench-ceiling bench-trl clean
+.PHONY: help venv vllm tools lint test test-fast test-explore test-container image demo bench bench-soak bench-ceiling bench-trl clean
 .PHONY: bench-overhead bench-routing bench-routing-vllm bench-cores bench-workers-routing bench-instructions \
 	bench-instructions-ablations bench-train bench-adapters bench-image
 
@@ -15,6 +15,7 @@ help:
 	@echo "make test   - install everything and run every test layer (scripts/test_layers.py --list)"
 	@echo "make demo   - async LoRA GRPO through the gateway on 2 real vLLM replicas (~4 min)"
 	@echo "make test-fast - unit + integration tests only (no real vLLM, no containers)"
+	@echo "make test-explore - the property tests with fresh random examples, EXPLORE_ROUNDS (10) times over"
 	@echo "make image  - build the sidecar image as localhost/rollout-gateway:dev (podman)"
 	@echo "make test-container - build the image (cached) and test it as a container"
 	@echo "make bench  - bench-overhead and bench-routing (gateway venv only, ~20 min)"
@@ -53,6 +54,15 @@ tools: venv
 
 test-fast: venv tools
 	$(BIN)/python -m pytest -m "not e2e" -q --ignore=tests/container --ignore=tests/rehearsal
+
+# The property tests with fresh random examples, EXPLORE_ROUNDS times over (make test replays
+# fixed ones: tests/conftest.py). Run it before a change lands; docs/testing.md.
+EXPLORE_ROUNDS ?= 10
+test-explore: venv
+	files=$$(grep -rl --include='test_*.py' '^from hypothesis' tests | grep -v '^tests/faults/' | sort); \
+	for i in $$(seq $(EXPLORE_ROUNDS)); do \
+	  HYPOTHESIS_PROFILE=explore $(BIN)/python -m pytest -q -p no:cacheprovider $$files || exit 1; \
+	done
 
 image:
 	bash scripts/build-image.sh
