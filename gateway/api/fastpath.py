@@ -117,7 +117,8 @@ class FastPath:
             plan = plan_rollout(gw, inbound, body, tenant)
             if counted is not None:  # a named run: its slot, in fair order when saturated
                 with inbound.guard:
-                    entry.slot = await counted.slot(plan.candidates)
+                    prefer = gw.selection.preferred(plan)
+                    entry.slot = await counted.slot(plan.candidates, prefer)
             return await dispatch(inbound, gw, entry, plan), entry
         except ClientDisconnected:
             return None, entry

@@ -65,6 +65,13 @@ class Router(Protocol):
         """Learn from a decision the caller acted on (call once per routed request)."""
         ...
 
+    def prefers(self, request: RouteRequest, candidates: Sequence[int]) -> int | None:
+        """The candidate ``choose`` would pick were every candidate idle: where the
+        request's prefix is cached, or will be. None: the policy has no preference. Read
+        before a rollout waits for a slot (``runs/fairshare.py``), so that it waits for
+        its own replica. Pure."""
+        ...
+
     def set_members(self, members: Iterable[int]) -> None:
         """The configured replicas changed (discovery); healthy or not."""
         ...
@@ -88,7 +95,10 @@ class Router(Protocol):
 
 class _Stateless:
     """What a policy that keeps no per-replica state answers to membership, cache and
-    worker news (each worker balances its own requests)."""
+    worker news (each worker balances its own requests), and it prefers no replica."""
+
+    def prefers(self, request: RouteRequest, candidates: Sequence[int]) -> int | None:
+        return None
 
     def set_members(self, members: Iterable[int]) -> None:
         pass
@@ -295,6 +305,24 @@ class PrefixAffinityRouter:
         return self._ring_walk(request, key, t + cfg.fleet_key_blocks if t else 0, loads, bound,
                                home, spilled, local)  # fmt: skip
 
+    def prefers(self, request: RouteRequest, candidates: Sequence[int]) -> int | None:
+        """``choose`` with no load bound: the leaf already served (a GRPO sibling, an earlier
+        turn; in fleet mode a verbatim repeat is placed like a new key, as there), else the
+        key's home on the ring, among ``candidates``."""
+        key = self.features(request)
+        if key is None:
+            return None
+        cfg = self.config
+        hashes = key.hashes
+        t = self.index.template_depth(hashes)
+        fleet = self.workers > 1
+        if not (fleet and len(hashes) < cfg.max_blocks and self.index.exact(key) is not None):
+            home = self.index.lookup(key, t)
+            if home is not None and home in candidates:
+                return home
+        depth = t + (cfg.fleet_key_blocks if fleet else cfg.key_blocks) if t else 0
+        return self._ring.preferred(_ring_key(hashes, depth), dict.fromkeys(candidates, 0))
+
     def _ring_walk(
         self, request: RouteRequest, key: PromptKey, depth: int, loads: Mapping[int, int],
         bound: int, home: int | None, spilled: bool, fallback: Mapping[int, int],
@@ -305,8 +333,7 @@ class PrefixAffinityRouter:
         template known yet (``depth`` 0): the whole capped prompt, so an undetected shared
         prefix longer than m blocks cannot collapse every new prompt onto one key.
         ``fallback``: the loads the least-loaded fallback reads when the walk finds none."""
-        hashes = key.hashes
-        ring_key = hashes[min(len(hashes), depth) - 1 if depth else len(hashes) - 1]
+        ring_key = _ring_key(key.hashes, depth)
         choice = self._ring.lookup(ring_key, loads, bound, self.config.max_probes)
         if choice is None:
             return Decision(_least_loaded(fallback), Reason.FALLBACK, key)
@@ -333,6 +360,12 @@ class PrefixAffinityRouter:
 
     def stats(self) -> IndexStats:
         return self.index.stats()
+
+
+def _ring_key(hashes: Sequence[int], depth: int) -> int:
+    """The chain hash the ring is searched with: ``depth`` blocks deep, or the whole
+    capped prompt when no template is known (``depth`` 0)."""
+    return hashes[min(len(hashes), depth) - 1 if depth else len(hashes) - 1]
 
 
 def _load_bound(epsilon: float, total: int, members: int, floor: int) -> int:

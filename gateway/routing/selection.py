@@ -158,6 +158,14 @@ class Selection:
         check_client_salt(payload)
         return Plan(candidates, body, route, routes, model, payload)
 
+    def preferred(self, plan: Plan) -> int | None:
+        """The candidate the policy would choose for ``plan`` were every candidate idle
+        (``Router.prefers``): the replica a named run's rollout waits for when the
+        replicas are saturated. Reads the learned index, changes nothing."""
+        if plan.route is None:
+            return None
+        return self._router.prefers(plan.route, plan.candidates)
+
     def take(self, plan: Plan, remaining: list[int]) -> int | None:
         """Choose among ``remaining`` (non-empty) and strike the choice off; the replica
         that takes the request, or None when the breaker or the adapter copy refused it

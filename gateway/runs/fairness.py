@@ -59,13 +59,14 @@ class FairGate:
         """Rollouts sent at the wait's bound, by run (``gateway_run_fair_overflows_total``)."""
 
     async def admit(
-        self, run: str, weight: float, candidates: Sequence[int], usage: RunUsage
-    ) -> Slot:
-        """A slot on ``candidates`` for a rollout of ``run``: at once while one is free to
-        it, else once the core grants one, or at ``wait_s`` (sent anyway, counted). The
-        wait counts as the run's held time."""
+        self, run: str, weight: float, candidates: Sequence[int], usage: RunUsage,
+        prefer: int | None = None,
+    ) -> Slot:  # fmt: skip
+        """A slot on ``candidates`` for a rollout of ``run`` (``prefer``: the replica its
+        routing prefers): at once while one is free to it, else once the core grants one,
+        or at ``wait_s`` (sent anyway, counted). The wait counts as the run's held time."""
         started = self._clock()
-        ticket, others = self.share.request(run, weight, candidates, started)
+        ticket, others = self.share.request(run, weight, candidates, started, prefer)
         self._wake(others)
         if not ticket.waiting:
             return Slot(self, ticket)

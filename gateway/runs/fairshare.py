@@ -26,6 +26,15 @@ run between two steps is still active where its last group ran, and only there):
   saturating runs get slots in proportion to their weights and a run that only now starts
   waiting is served before another run's long backlog.
 
+- **Affinity.** A rollout may name the replica its routing prefers (``prefer``: where its
+  prompt's prefix is cached, or will be, for a GRPO group's first rollout). A slot freed
+  on replica r goes, within the run the fair order picked, to the oldest of its first
+  ``LOOKAHEAD`` waiting rollouts that prefers r; only when none does may the run's oldest
+  take it instead. So a flooding run's groups keep to their prefix's replica instead of
+  being sprayed over whichever frees a slot first, and no slot stays free while a rollout
+  that may take it waits. Granting out of order within a run keeps the run's tags: the
+  grant consumes the run's smallest tag.
+
 A ticket is charged to a replica from the moment it is admitted, so two grants can never
 take the same slot; the routing decision then picks the replica it sends to (prefix
 affinity) among those with room for it (``room``: where it is charged, and where its run
@@ -44,7 +53,11 @@ from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["FairShare", "Ticket"]
+__all__ = ["LOOKAHEAD", "FairShare", "Ticket"]
+
+LOOKAHEAD = 64
+"""How deep into a run's queue a freed slot looks for a rollout that prefers its replica:
+eight GRPO groups of eight. It bounds the work of one grant."""
 
 
 @dataclass(eq=False, slots=True)
@@ -54,6 +67,10 @@ class Ticket:
     run: str
     candidates: tuple[int, ...]
     owner: _Run = field(repr=False)
+    prefer: int | None = None
+    """The replica its routing prefers (None: no preference)."""
+    passed: int = 0
+    """Times a later ticket of its run was granted first while it headed the queue."""
     tag: float = 0.0
     replica: int = -1
     overflow: bool = False
@@ -93,18 +110,20 @@ class FairShare:
     # -- what the shell calls
 
     def request(
-        self, run: str, weight: float, candidates: Sequence[int], now: float
-    ) -> tuple[Ticket, list[Ticket]]:
-        """A rollout of ``run`` that may go to ``candidates``: charged at once when a slot
-        permits it (``ticket.waiting`` False), else queued behind the run's earlier ones.
-        Also returns the waiting tickets granted meanwhile: a changed weight moves the
-        shares (rare: a reload)."""
+        self, run: str, weight: float, candidates: Sequence[int], now: float,
+        prefer: int | None = None,
+    ) -> tuple[Ticket, list[Ticket]]:  # fmt: skip
+        """A rollout of ``run`` that may go to ``candidates`` (``prefer``: the one its
+        routing prefers): charged at once when a slot permits it (``ticket.waiting``
+        False), on ``prefer`` if it may, else queued behind the run's earlier ones. Also
+        returns the waiting tickets granted meanwhile: a changed weight moves the shares
+        (rare: a reload)."""
         state = self._run(run)
         moved = state.weight != weight
         state.weight = weight
-        ticket = Ticket(run, tuple(candidates), state)
+        ticket = Ticket(run, tuple(candidates), state, prefer if prefer in candidates else None)
         if not state.queue:
-            replica = self._permitted(state, ticket.candidates, now)
+            replica = self._permitted(state, ticket.candidates, now, ticket.prefer)
             if replica is not None:
                 self._charge(ticket, state, replica)
                 return ticket, self.grant(now) if moved else []
@@ -162,25 +181,26 @@ class FairShare:
 
     def grant(self, now: float) -> list[Ticket]:
         """Give free slots to waiting tickets: a run under its share first, then the
-        smallest tag, then the run holding least per weight, among those permitted."""
+        smallest tag, then the run holding least per weight, among those permitted; within
+        the run, a ticket that prefers the slot's replica (``_pick``)."""
         granted: list[Ticket] = []
         while True:
-            best: tuple[tuple[bool, float, float], Ticket, _Run, int] | None = None
+            best: tuple[tuple[bool, float, float], int, _Run, int] | None = None
             for state in self._runs.values():
                 if not state.queue:
                     continue
-                head = state.queue[0]
-                replica = self._permitted(state, head.candidates, now)
-                if replica is None:
+                picked = self._pick(state, now)
+                if picked is None:
                     continue
+                position, replica = picked
                 over = state.used[replica] >= self._share_of(state, replica, now)
-                key = (over, head.tag, state.charged / state.weight)
+                key = (over, state.queue[0].tag, state.charged / state.weight)
                 if best is None or key < best[0]:
-                    best = (key, head, state, replica)
+                    best = (key, position, state, replica)
             if best is None:
                 return granted
-            _, ticket, state, replica = best
-            state.queue.popleft()
+            _, position, state, replica = best
+            ticket = self._dequeue(state, position)
             self._vtime = max(self._vtime, ticket.tag)
             self._charge(ticket, state, replica)
             granted.append(ticket)
@@ -212,8 +232,57 @@ class FairShare:
 
     # -- the rules
 
-    def _permitted(self, state: _Run, candidates: Iterable[int], now: float) -> int | None:
-        """The least used of ``candidates`` where ``state``'s run may take a slot, or None."""
+    def _pick(self, state: _Run, now: float) -> tuple[int, int] | None:
+        """Which of the run's waiting tickets gets a slot now, and where: (its position in
+        the queue, the replica). The oldest of the first ``LOOKAHEAD`` whose preferred
+        replica may take it; else the head, on the least used replica it may take. A head
+        passed over ``LOOKAHEAD`` times goes first, wherever it may: the reordering is
+        bounded, so no rollout waits on its preferred replica for ever."""
+        queue = state.queue
+        head = queue[0]
+        if head.passed >= LOOKAHEAD:
+            replica = self._permitted(state, head.candidates, now, head.prefer)
+            return None if replica is None else (0, replica)
+        free: dict[int, bool] = {}
+        for position in range(min(len(queue), LOOKAHEAD)):
+            prefer = queue[position].prefer
+            if prefer is None:
+                continue
+            ok = free.get(prefer)
+            if ok is None:
+                used = self._used[prefer]
+                ok = free[prefer] = used < self.capacity and self._may_take(
+                    state, prefer, used, now
+                )
+            if ok:
+                return position, prefer
+        replica = self._permitted(state, head.candidates, now)
+        return None if replica is None else (0, replica)
+
+    @staticmethod
+    def _dequeue(state: _Run, position: int) -> Ticket:
+        """Take the ticket at ``position`` out of the run's queue. The grant consumes the
+        run's smallest tag (the head's): the tickets before it move one tag on."""
+        queue = state.queue
+        ticket = queue[position]
+        tags = [queue[i].tag for i in range(position + 1)]
+        del queue[position]
+        for i in range(position):
+            queue[i].tag = tags[i + 1]
+        ticket.tag = tags[0]
+        if position:
+            queue[0].passed += 1
+        return ticket
+
+    def _permitted(
+        self, state: _Run, candidates: Iterable[int], now: float, prefer: int | None = None
+    ) -> int | None:
+        """``prefer`` if ``state``'s run may take a slot there, else the least used of
+        ``candidates`` where it may, or None."""
+        if prefer is not None:
+            used = self._used[prefer]
+            if used < self.capacity and self._may_take(state, prefer, used, now):
+                return prefer
         best: int | None = None
         for replica in candidates:
             used = self._used[replica]

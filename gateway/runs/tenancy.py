@@ -199,11 +199,12 @@ class Tenant:
         self.enter(task)
         return self
 
-    async def slot(self, candidates: Sequence[int]) -> Slot:
-        """A slot on one of ``candidates`` for a rollout of this named run, in weighted fair
-        order once they are saturated (``gateway.runs.fairshare``)."""
+    async def slot(self, candidates: Sequence[int], prefer: int | None) -> Slot:
+        """A slot on one of ``candidates`` (``prefer``: the one its routing prefers) for a
+        rollout of this named run, in weighted fair order once they are saturated
+        (``gateway.runs.fairshare``)."""
         assert self.fair is not None, "the implicit run takes no slot"
-        return await self.fair.admit(self.name, self.run.weight, candidates, self.usage)
+        return await self.fair.admit(self.name, self.run.weight, candidates, self.usage, prefer)
 
     def rollout_replicas(self, healthy: list[int]) -> list[int]:
         """Where its rollouts may go: its healthy homes (507 while it has none)."""

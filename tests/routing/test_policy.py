@@ -56,6 +56,36 @@ def test_contract_choose_picks_a_candidate_and_is_pure(any_router: Router) -> No
     assert d.replica == 7
 
 
+def test_contract_prefers_names_a_candidate_or_nothing(any_router: Router) -> None:
+    for payload in ([1, 2, 3], [5] * 100, "text", None):
+        p = any_router.prefers(req(payload), [1, 3])
+        assert p is None or p in (1, 3)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_prefers_is_where_choose_goes_when_every_candidate_is_idle(workers: int) -> None:
+    r = PrefixAffinityRouter(RoutingConfig())
+    r.set_members(range(4))
+    r.set_workers(workers)
+    idle = views([0, 0, 0, 0])
+    rng = random.Random(3)
+    for _ in range(50):
+        prompt = SYSTEM + [rng.randrange(1, 30_000) for _ in range(rng.randrange(8, 80))]
+        request = req(prompt)
+        preferred = r.prefers(request, [0, 1, 2, 3])
+        d = r.choose(request, idle)
+        assert preferred == d.replica
+        r.observe(d)
+        assert r.prefers(request, [0, 1, 2, 3]) == d.replica  # a sibling: where it went
+        others = [i for i in range(4) if i != d.replica]
+        assert r.prefers(request, others) in others  # the home is not a candidate
+
+
+def test_stateless_routers_prefer_nothing() -> None:
+    for name in ("least_loaded", "round_robin", "random"):
+        assert router(name).prefers(req([1, 2, 3] * 40), [0, 1]) is None
+
+
 def test_unknown_policy() -> None:
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_router("nope", RoutingConfig())

@@ -7,6 +7,7 @@ rollouts long enough to overlap."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from rollout_testbed.sim.latency import LatencyModel
 
 from tests.cluster import Cluster, cluster
 from tests.eventually import eventually
-from tests.runs.test_many_runs import as_run, run_specs
+from tests.runs.test_many_runs import as_run, homes, run_specs
 
 ROLLOUT = {"prompt": [1, 2, 3], "max_tokens": 6, "model": "tiny-base"}
 SLOW = SimConfig(latency=LatencyModel(decode=0.05))  # 6 tokens: 0.3 s
@@ -153,3 +154,40 @@ async def test_single_run_mode_holds_nothing(tmp_path: Path) -> None:
             await eventually(lambda: c.sim(0).running == 4, "all four at the replica")
             assert [r.status_code for r in await running] == [200] * 4
         assert c.gateway.tenancy.fair is not None and c.gateway.tenancy.fair.share.used(0) == 0
+
+
+async def test_a_flooding_runs_groups_wait_for_their_own_prefix_replica(tmp_path: Path) -> None:
+    """Saturated replicas: a freed slot goes to a held rollout whose prompt's prefix lives
+    there, not to the oldest held one, so each GRPO group is served whole by one replica
+    (the replica's prefix cache computes the prompt once, not once per replica)."""
+    rng = random.Random(5)
+    specs = run_specs(tmp_path, ("flood",))
+    async with (
+        cluster(2, SLOW, runs=specs, replica_capacity=1, lora_slots_per_replica=8) as c,
+        as_run(c, "flood") as a,
+    ):
+        assert homes(c)["flood"] == {0, 1}
+
+        async def rollout(prompt: list[int], max_tokens: int = 6) -> int:
+            body = {**ROLLOUT, "prompt": prompt, "max_tokens": max_tokens}
+            r = await a.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return int(r.headers["x-gateway-replica"])
+
+        # Where each prompt's prefix lives: one rollout each, one at a time (idle replicas).
+        home: dict[int, list[int]] = {}
+        for _ in range(16):
+            prompt = [rng.randrange(1, 32_000) for _ in range(64)]
+            home.setdefault(await rollout(prompt), prompt)
+            if len(home) == 2:
+                break
+        assert sorted(home) == [0, 1]
+        # Both slots taken by long rollouts; then two groups of 4, interleaved, all held.
+        blockers = [asyncio.ensure_future(rollout([9, i, 9], max_tokens=20)) for i in (1, 2)]
+        await eventually(lambda: c.sim(0).running == c.sim(1).running == 1, "both slots taken")
+        groups = {r: [asyncio.ensure_future(rollout(home[r])) for _ in range(4)] for r in (0, 1)}
+        order = [t for pair in zip(groups[0], groups[1], strict=True) for t in pair]
+        await eventually(lambda: fair(c, "flood")["waiting"] == 8, "both groups held")
+        await asyncio.wait_for(asyncio.gather(*blockers, *order), 30)
+        for r, tasks in groups.items():
+            assert [t.result() for t in tasks] == [r] * 4, (r, [t.result() for t in tasks])

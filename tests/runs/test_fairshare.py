@@ -11,11 +11,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gateway.runs.fairshare import FairShare, Ticket
+from gateway.runs.fairshare import LOOKAHEAD, FairShare, Ticket
 
 
-def req(share: FairShare, run: str, candidates: list[int], now: float, weight: float = 1) -> Ticket:
-    ticket, granted = share.request(run, weight, candidates, now)
+def req(
+    share: FairShare, run: str, candidates: list[int], now: float, weight: float = 1,
+    prefer: int | None = None,
+) -> Ticket:  # fmt: skip
+    ticket, granted = share.request(run, weight, candidates, now, prefer)
     assert granted == []  # nothing here changes a weight or a home set
     return ticket
 
@@ -104,6 +107,54 @@ def test_routing_chooses_only_among_replicas_with_room() -> None:
     assert share.room(t, [0, 1], now=1) == [0, 1]
 
 
+def test_a_free_slot_is_taken_on_the_preferred_replica_first() -> None:
+    share = FairShare(capacity=2, idle_s=10)
+    t = req(share, "a", [0, 1], now=0, prefer=1)
+    assert t.replica == 1  # not the least used (a tie, which would be 0)
+    assert req(share, "a", [0, 1], now=0, prefer=7).prefer is None  # not a candidate
+
+
+def test_a_freed_slot_goes_to_the_oldest_waiter_that_prefers_its_replica() -> None:
+    share = FairShare(capacity=2, idle_s=10)
+    running = [req(share, "a", [0, 1], now=0, prefer=r) for r in (0, 0, 1, 1)]
+    assert [t.replica for t in running] == [0, 0, 1, 1]
+    # a flood's groups wait, each for its own prefix's replica
+    waiting = [req(share, "a", [0, 1], now=0, prefer=r) for r in (0, 0, 1, 1, 0)]
+    assert all(t.waiting for t in waiting)
+    assert share.release(running[2], now=1) == [waiting[2]]  # replica 1 freed: the 1st for 1
+    assert waiting[2].replica == 1
+    assert share.release(running[0], now=1) == [waiting[0]]
+    assert share.release(running[3], now=1) == [waiting[3]]
+    # nobody left prefers replica 1: the run's oldest takes it rather than leave it free
+    assert share.release(waiting[2], now=2) == [waiting[1]] and waiting[1].replica == 1
+    assert share.waiting("a") == 1
+
+
+def test_taking_a_later_waiter_first_keeps_the_runs_tags_in_order() -> None:
+    share = FairShare(capacity=1, idle_s=10)
+    first = [req(share, r, [r], now=0, prefer=r) for r in (0, 1)]  # "0" on 0, "1" on 1
+    waiting = [req(share, "x", [0, 1], now=0, prefer=r) for r in (0, 1, 0)]
+    tags = [t.tag for t in waiting]
+    assert share.release(first[1], now=1) == [waiting[1]]  # the second, out of order
+    assert waiting[1].tag == tags[0]  # it consumed the run's smallest tag
+    assert [waiting[0].tag, waiting[2].tag] == tags[1:]  # the rest stay ordered
+
+
+def test_a_head_passed_over_lookahead_times_goes_first_wherever_it_may() -> None:
+    share = FairShare(capacity=1, idle_s=10)
+    busy = req(share, "a", [0, 1], now=0, prefer=0)
+    spare = req(share, "a", [0, 1], now=0, prefer=1)
+    head = req(share, "a", [0, 1], now=0, prefer=0)  # waits for replica 0, held for ever
+    later = [req(share, "a", [0, 1], now=0, prefer=1) for _ in range(LOOKAHEAD + 1)]
+    running = spare
+    for i in range(LOOKAHEAD):  # each slot freed on 1 goes to a later waiter preferring 1
+        assert share.release(running, now=i) == [later[i]]
+        running = later[i]
+    assert head.passed == LOOKAHEAD and head.waiting
+    assert share.release(running, now=LOOKAHEAD) == [head] and head.replica == 1
+    assert busy.replica == 0
+
+
 def test_overflow_sends_a_waiter_beyond_capacity_and_is_released_like_any_slot() -> None:
     share = FairShare(capacity=1, idle_s=10)
     first = req(share, "a", [0], now=0)
@@ -162,10 +213,11 @@ class FairMachine(RuleBasedStateMachine):
             assert self.share.used(t.replica) <= self.share.capacity
 
     @rule(run=st.sampled_from(RUNS), weight=st.sampled_from([0.5, 1.0, 3.0]),
-          candidates=st.sets(st.integers(0, 2), min_size=1, max_size=3))  # fmt: skip
-    def request(self, run: str, weight: float, candidates: set[int]) -> None:
+          candidates=st.sets(st.integers(0, 2), min_size=1, max_size=3),
+          prefer=st.none() | st.integers(0, 2))  # fmt: skip
+    def request(self, run: str, weight: float, candidates: set[int], prefer: int | None) -> None:
         self.gone.discard(run)
-        t, granted = self.share.request(run, weight, sorted(candidates), self.now)
+        t, granted = self.share.request(run, weight, sorted(candidates), self.now, prefer)
         (self.waiting if t.waiting else self.running).append(t)
         self._granted([g for g in granted if g is not t])
         if not t.waiting:
