@@ -228,6 +228,12 @@ class AdapterManager:
     def request_finished(self, name: str, replica: int) -> None:
         self.core.request_finished(name, replica)
 
+    def set_max_staleness(self, max_staleness: int | None) -> None:
+        """A reload changed the run's window: a narrower one evicts, at once, the live
+        versions now outside it (``AdapterRegistry.set_max_staleness``)."""
+        self.executor.submit(self.core.set_max_staleness(max_staleness, self._clock()))
+        self.policy = self.core.policy
+
     def in_flight_on(self, replica: int) -> int:
         return self.core.in_flight_on(replica)
 

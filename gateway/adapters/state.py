@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TypeVar
 
@@ -611,6 +611,16 @@ class AdapterRegistry(RequestCounts):
         self.counts["unload.requested"] += 1
         return self._retire(rec, now)
 
+    def set_max_staleness(self, max_staleness: int | None, now: float) -> list[Action]:
+        """A reload changed the window (a run's ``max_staleness``): a wider one keeps what
+        is live; a narrower one retires, at once, every live version now outside
+        ``[head - S, head]`` of its family (drained first, as any eviction)."""
+        self.policy = replace(self.policy, max_staleness=max_staleness)
+        actions: list[Action] = []
+        for family in list(self._heads):
+            actions += self._enforce_family(family, now)
+        return actions + self._due(now)
+
     def tick(self, now: float) -> list[Action]:
         """Unloads that became due (drained, or grace timeout passed)."""
         return self._due(now)
@@ -1042,8 +1052,12 @@ class AdapterRegistry(RequestCounts):
 
     def _enforce_window(self, changed: _Adapter, now: float) -> list[Action]:
         """Retire the LIVE versions of ``changed``'s family outside [head - S, head]."""
-        fam, s = changed.parsed.family, self.policy.max_staleness
-        head = self._heads.get(fam) if fam is not None else None
+        fam = changed.parsed.family
+        return [] if fam is None else self._enforce_family(fam, now)
+
+    def _enforce_family(self, fam: str, now: float) -> list[Action]:
+        s = self.policy.max_staleness
+        head = self._heads.get(fam)
         if s is None or head is None:
             return []
         actions: list[Action] = []

@@ -3,9 +3,10 @@ changes, and where every run lives afterwards.
 
 Pure, like ``adapters/placement.py`` whose minimal-movement rule it keeps: given the
 run table in force and the one a reload brings, :func:`plan` names the runs added,
-removed and changed (key rotated, ``max_in_flight`` changed), and refuses what cannot
-change under a live run (``max_staleness``, ``adapter_root``: its adapter manager was
-built with them; remove the run and add it back). :func:`replace` is the placement after
+removed and changed (key rotated, ``max_in_flight`` or weight changed, ``max_staleness``
+changed: a window, and the slots on each home, ``max_staleness + 2``), and refuses what
+cannot change under a live run (``adapter_root``: its adapter manager checks paths under
+it; remove the run and add it back). :func:`replace` is the placement after
 it: every kept home stays unless a budget forces it off, a run that leaves keeps its slots
 until it is told gone (``leaving``: its adapters are still on its homes until they are
 unloaded), and runs that did not fit are placed once they do.
@@ -56,18 +57,19 @@ class RunPlan:
     """Runs whose key changed: the old key works for ``key_overlap_s`` more."""
     limited: tuple[str, ...] = ()
     """Runs whose ``max_in_flight`` or ``weight`` changed: it applies to their next rollout."""
+    windowed: tuple[str, ...] = ()
+    """Runs whose ``max_staleness`` changed: their window (a narrower one evicts at once)
+    and their slots on each home (re-placed: a run that no longer fits refuses the set)."""
     refused: str | None = None
     """Why the new set cannot be applied to the live one (None: it can)."""
 
     def __bool__(self) -> bool:
-        return bool(self.added or self.removed or self.rotated or self.limited)
-
-    def changed(self) -> tuple[str, ...]:
-        return tuple(sorted({*self.rotated, *self.limited}))
+        return bool(self.added or self.removed or self.rotated or self.limited or self.windowed)
 
     def summary(self) -> dict[str, list[str]]:
         return {"added": list(self.added), "removed": list(self.removed),
-                "rotated": list(self.rotated), "limited": list(self.limited)}  # fmt: skip
+                "rotated": list(self.rotated), "limited": list(self.limited),
+                "max_staleness": list(self.windowed)}  # fmt: skip
 
 
 def plan(old: RunTable, new: RunTable, leaving: Iterable[str] = ()) -> RunPlan:
@@ -88,6 +90,7 @@ def plan(old: RunTable, new: RunTable, leaving: Iterable[str] = ()) -> RunPlan:
         removed=tuple(sorted(before.keys() - after.keys())),
         rotated=tuple(n for n in kept if before[n].key != after[n].key),
         limited=tuple(n for n in kept if _limits(before[n]) != _limits(after[n])),
+        windowed=tuple(n for n in kept if before[n].max_staleness != after[n].max_staleness),
     )
 
 
@@ -96,9 +99,6 @@ def _limits(run: Run) -> tuple[int | None, float]:
 
 
 def _fixed(old: Run, new: Run) -> str | None:
-    if old.max_staleness != new.max_staleness:
-        return (f"max_staleness cannot change while the run is live ({old.max_staleness} -> "
-                f"{new.max_staleness}); remove the run, reload, then add it back")  # fmt: skip
     if old.roots != new.roots:
         return ("adapter_root cannot change while the run is live; remove the run, reload, "
                 "then add it back")  # fmt: skip

@@ -268,8 +268,9 @@ class MultiRun:
             outcome = "applied" if plan or moves else "unchanged"
             self._count(outcome)
             log.info("runs reload (%s): %s: added %s, removed %s, key rotated %s, "
-                     "max_in_flight or weight changed %s", why, outcome, list(plan.added),
-                     list(plan.removed), list(plan.rotated), list(plan.limited))  # fmt: skip
+                     "max_in_flight or weight changed %s, max_staleness changed %s", why,
+                     outcome, list(plan.added), list(plan.removed), list(plan.rotated),
+                     list(plan.limited), list(plan.windowed))  # fmt: skip
             unplaced = {t.name: t.unplaced for t in tenancy if t.unplaced is not None}
             return {"outcome": outcome, **plan.summary(), "unplaced": unplaced}
 

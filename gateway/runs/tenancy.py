@@ -159,9 +159,12 @@ class Tenant:
             self.unplaced = None
 
     def renew(self, run: Run) -> None:
-        """A reload changed its key or limits (same name, slots and roots): the next
-        request reads them; nothing running is touched."""
-        assert run.name == self.run.name and run.slots == self.run.slots
+        """A reload changed its key, limits or window (same name and roots): the next
+        request reads them; nothing running is touched, but a narrower window evicts the
+        versions now outside it."""
+        assert run.name == self.run.name and run.roots == self.run.roots
+        if run.max_staleness != self.run.max_staleness:
+            self.manager.set_max_staleness(run.max_staleness)
         self.run = run
 
     async def drained(self, timeout: float) -> bool:
@@ -382,6 +385,8 @@ class Tenancy:
         working until ``expire_key``). Returns the plan (``refused``: nothing changed) and
         the added tenants, whose adapters the caller rebuilds, and the placement's moves."""
         found = plan(self.table, new, self.leaving)
+        if found.refused is None and found.windowed:
+            found = self._fits(found, new)
         if found.refused is not None:
             return found, [], []
         for name in found.removed:
@@ -398,10 +403,27 @@ class Tenancy:
                 tenant.renew(new[name])
         self._retable(new.runs)
         moves: list[tuple[Change, str, int]] = []
-        if self.budget is not None and (found.added or budget not in (None, self.budget)):
+        resized = found.added or found.windowed or budget not in (None, self.budget)
+        if self.budget is not None and resized:
             replicas = self.placement.replicas if self.placement is not None else ()
             moves = self.place(sorted(replicas), budget if budget is not None else self.budget)
         return found, added, moves
+
+    def _fits(self, found: RunPlan, new: RunTable) -> RunPlan:
+        """A changed ``max_staleness`` changes the run's slots on each home: refuse the set
+        when, re-placed with them, a run placed now would lose every home (its work would
+        be dropped); a dry run of the placement, nothing applied."""
+        if self.budget is None or self.placement is None:
+            return found
+        runs = {t.name: t.run.slots for t in self.leaving.values()}
+        runs |= {r.name: r.slots for r in new.runs if r.name in self.tenants}
+        trial, failed = replace(self.placement, runs, sorted(self.placement.replicas), self.budget)
+        lost = sorted(n for n in failed if self.placement.homes(n) and not trial.homes(n))
+        if not lost:
+            return found
+        name = lost[0]
+        return RunPlan(refused=f"run {name!r} would no longer fit with max_staleness changed "
+                               f"for {list(found.windowed)}: {failed[name]}")  # fmt: skip
 
     def _retable(self, runs: Iterable[Run]) -> None:
         retired = [(name, key) for name, keys in self._retired.items() for key in keys]

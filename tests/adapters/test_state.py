@@ -304,6 +304,20 @@ def test_window_keeps_newest_s_plus_one() -> None:
     assert [r.version_lag for r in snap.replicas] == [0, 0]
 
 
+def test_a_narrower_window_set_live_evicts_at_once_and_a_wider_keeps_all() -> None:
+    core, fakes = make(2)
+    now = 0.0
+    for v in range(1, 4):
+        now = publish(core, fakes, v, now)
+    assert core.set_max_staleness(3, now) == []  # wider: nothing leaves
+    now = publish(core, fakes, 4, now)
+    assert [a.name for a in core.live_adapters()] == ["p-v1", "p-v2", "p-v3", "p-v4"]
+    now = drive(core, fakes, core.set_max_staleness(1, now), now)
+    assert [a.name for a in core.live_adapters()] == ["p-v3", "p-v4"]
+    assert all(set(f.held) == {"p-v3", "p-v4"} for f in fakes)
+    assert core.policy.max_staleness == 1 and core.counts["evict.stale"] == 2
+
+
 def test_fresh_run_restarting_at_v1_evicts_the_old_run() -> None:
     core, fakes = make(1)
     for v in (5, 6, 7):

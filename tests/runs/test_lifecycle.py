@@ -45,7 +45,7 @@ class ReloadMachine(RuleBasedStateMachine):
         self.leaving.update({n: self.table[n].slots for n in p.removed})
         self.table = new
         self.placement, self.failed = replace(before, self.slots(), self.members, self.budget)
-        if not p.added and not unplaced:
+        if not p.added and not p.windowed and not unplaced:
             # only keys, caps, removals (still holding their slots): nothing moves. (A run
             # that did not fit before may be placed now, taking another run's extra home.)
             assert self.placement == before or self.failed
@@ -106,12 +106,22 @@ class ReloadMachine(RuleBasedStateMachine):
         assert self.table.identify(b"Bearer " + old.key) is None
 
     @precondition(lambda self: self.table.runs)
-    @rule(data=st.data())
-    def changing_staleness_is_refused(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), staleness=st.integers(0, 3))
+    def change_staleness(self, data: st.DataObject, staleness: int) -> None:
         old = data.draw(st.sampled_from(self.table.runs))
-        new_run = Run(old.name, old.key, old.max_staleness + 1, old.roots, old.max_in_flight)
+        new_run = Run(old.name, old.key, staleness, old.roots, old.max_in_flight)
         new = RunTable([new_run if r.name == old.name else r for r in self.table.runs])
-        assert "max_staleness" in (plan(self.table, new).refused or "")
+        p = plan(self.table, new, self.leaving)
+        assert p.refused is None
+        assert p.windowed == ((old.name,) if staleness != old.max_staleness else ())
+        slots = {**self.slots(), old.name: new_run.slots}
+        trial, failed = replace(self.placement, slots, self.members, self.budget)
+        before = self.placement
+        if any(before.homes(n) and not trial.homes(n) for n in failed):
+            return  # a placed run would lose every home: the shell refuses the set
+        self.reload(new)
+        for name in before.runs:  # nobody placed is dropped by a changed window
+            assert not before.homes(name) or self.placement.homes(name), name
 
     @rule()
     def replica_joins(self) -> None:

@@ -53,9 +53,13 @@ class Live:
         return gw
 
     def write(self, runs: list[dict[str, Any]], **more: Any) -> None:
-        self.path.write_text(yaml.safe_dump({**self.base, **more, "runs": runs}))
+        """Replace the config file in one rename, as a ConfigMap update does: the file
+        watch never reads it half written."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(yaml.safe_dump({**self.base, **more, "runs": runs}))
         stamp = self.path.stat().st_mtime_ns + 10_000_000  # a new mtime even within a tick
-        os.utime(self.path, ns=(stamp, stamp))
+        os.utime(tmp, ns=(stamp, stamp))
+        os.replace(tmp, self.path)
 
     def run(self, name: str, key: str | None = None) -> httpx.AsyncClient:
         auth = (name, key or f"key-{name}")
@@ -269,7 +273,7 @@ async def test_an_invalid_reload_keeps_the_old_set_and_says_why(tmp_path: Path) 
         cases = [
             ([a, {**b, "key": "key-run-a"}], "its own key"),
             ([a, {**b, "name": "Run_B"}], "runs[1].name"),
-            ([a, {**b, "max_staleness": 3}], "max_staleness cannot change"),
+            ([a, {**b, "adapter_root": str(tmp_path)}], "adapter_root cannot change"),
             ([a, a], "run names must be unique"),
         ]
         for runs, why in cases:
@@ -371,3 +375,45 @@ async def test_a_reload_under_real_workers_is_refused_by_every_process(tmp_path:
             assert [r["name"] for r in status.json()["runs"]] == ["run-a"]
             b = await c.get("/v1/models", auth=("run-b", "key-run-b"))
             assert b.status_code == 401
+
+
+async def test_max_staleness_changes_live_and_a_window_too_wide_is_refused(
+    tmp_path: Path,
+) -> None:
+    a = spec(tmp_path, "run-a")  # max_staleness 1: 3 of the 6 slots on each replica
+
+    def held(version: int) -> list[bool]:
+        name = f"run-a~trl-policy-v{version}"
+        return [name in r.app.state.sim.adapters for r in g.replicas]
+
+    async with live(tmp_path, [a]) as g, g.run("run-a") as ra:
+        for v in (1, 2):
+            r = await ra.post("/v1/load_lora_adapter", json=load(tmp_path, "run-a", v))
+            assert r.status_code == 200, r.text
+        assert held(1) == held(2) == [True, True]  # window [1, 2]
+        # narrower: the version now outside [head - 0, head] is evicted at once
+        g.write([{**a, "max_staleness": 0}])
+        r = await g.reload()
+        assert r.status_code == 200, r.text
+        assert r.json()["max_staleness"] == ["run-a"] and r.json()["outcome"] == "applied"
+        await eventually(lambda: held(1) == [False, False], "v1 evicted from both replicas")
+        assert held(2) == [True, True]
+        gen = await ra.post("/v1/completions", json={**COMPLETION, "model": "trl-policy-v2"})
+        assert gen.status_code == 200, gen.text
+        # wider, and it fits (5 slots of 6): nothing is evicted while the window fills
+        g.write([{**a, "max_staleness": 3}])
+        assert (await g.reload()).status_code == 200
+        for v in (3, 4, 5):
+            r = await ra.post("/v1/load_lora_adapter", json=load(tmp_path, "run-a", v))
+            assert r.status_code == 200, r.text
+        assert all(held(v) == [True, True] for v in (2, 3, 4, 5))
+        assert g.tenant("run-a").run.max_staleness == 3
+        # too wide for the budget (7 slots of 6): refused whole, the old window serves
+        g.write([{**a, "max_staleness": 5}])
+        r = await g.reload()
+        assert r.status_code == 400, r.text
+        assert "would no longer fit" in r.json()["error"]["message"]
+        assert g.tenant("run-a").run.max_staleness == 3 and g.tenant("run-a").homes == {0, 1}
+        async with g.admin() as admin:
+            (run,) = (await admin.get("/gateway/status")).json()["runs"]
+        assert run["max_staleness"] == 3
