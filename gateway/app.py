@@ -139,7 +139,7 @@ def build_gateway(
     capacity = max(1, settings.replica_capacity // settings.worker_count())
     fair = FairGate(FairShare(capacity, settings.fair_idle_s), settings.fair_wait_s)
     tenancy = Tenancy(run_table(settings), manager, rotation, peers=peers, routes=routes, fair=fair)
-    mode = mode_for(tenancy.table, tenancy)
+    mode = mode_for(tenancy.table, tenancy, settings.broadcast_timeout_s)
     metrics.watch_adapters(tenancy.managers)
     for collector in mode.collectors():
         metrics.registry.register(collector)

@@ -457,6 +457,24 @@ def config_stamp(settings: Settings) -> tuple[int, int, int] | None:
     return stat.st_mtime_ns, stat.st_size, zlib.crc32(content)
 
 
+def current_runs(settings: Settings) -> Settings:
+    """``settings`` with the config file's run set as it is now, when the runs were read
+    from it: the owner process that ``serve --workers N`` restarts must not bring back the
+    run set of the gateway's start after reloads changed it. The given settings when the
+    file's set cannot be used (the owner before the restart had refused it too)."""
+    source = settings._source
+    if source is None or not source.runs_from_file:
+        return settings
+    try:
+        found = reread_runs(settings)
+    except ValueError:
+        return settings
+    update: dict[str, object] = {"runs": list(found.runs)}
+    if found.lora_slots_per_replica is not None:
+        update["lora_slots_per_replica"] = found.lora_slots_per_replica
+    return settings.model_copy(update=update)
+
+
 def reread_runs(settings: Settings) -> RunSet:
     """The config file's ``runs:`` and ``lora_slots_per_replica`` now, validated as at
     start (each run, then the set: names and keys unique); ``ValueError`` naming the

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from prometheus_client.registry import Collector
@@ -24,13 +24,13 @@ from prometheus_client.registry import Collector
 from gateway.adapters.placement import Change
 from gateway.config import config_stamp, reread_runs
 from gateway.errors import BadRequest, GatewayError
-from gateway.runs.lifecycle import run_table_of
+from gateway.runs.lifecycle import RunPlan, run_table_of
 from gateway.runs.metrics import RunCollector
 from gateway.runs.placing import RunFleet, place_runs, sweep, unload_run
 from gateway.runs.table import RunTable
 from gateway.runs.tenancy import Tenancy, Tenant
 
-__all__ = ["MultiRun", "RunMode", "SingleRun", "mode_for"]
+__all__ = ["MultiRun", "RunMode", "SingleRun", "WorkerRuns", "mode_for"]
 
 log = logging.getLogger("gateway.runs")
 
@@ -97,11 +97,49 @@ class NeedsRestart(GatewayError):
     err_type = "Conflict"
 
 
-class ReloadUnsupported(GatewayError):
-    """``serve --workers N``: each process holds the runs; a reload needs a restart."""
+class Departures:
+    """What a reload leaves behind in one process, in the owner and in every data-plane
+    worker alike: rotated keys that expire after their overlap, and removed runs whose
+    rollouts here finish, or are aborted after the run's ``remove_grace_s``."""
 
-    status = 501
-    err_type = "NotImplemented"
+    def __init__(self, tenancy: Tenancy, drain_s: float) -> None:
+        self.tenancy = tenancy
+        self.drain_s = drain_s
+        """How long aborted rollouts get to answer their 503 (``broadcast_timeout_s``)."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._expiries: list[asyncio.TimerHandle] = []
+
+    def follow(self, plan: RunPlan, old_keys: dict[str, bytes | None],
+               then: Callable[[Tenant], Awaitable[None]]) -> None:  # fmt: skip
+        """After ``plan`` was applied: schedule its rotated keys' expiry, and drain each
+        removed run, then ``then`` (what else its leaving needs here)."""
+        loop = asyncio.get_running_loop()
+        tenancy = self.tenancy
+        for name in plan.rotated:
+            key, overlap = old_keys[name], tenancy.tenants[name].run.key_overlap_s
+            if key is not None and overlap > 0:
+                self._expiries.append(loop.call_later(overlap, tenancy.expire_key, name, key))
+        for name in plan.removed:
+            tenant = tenancy.leaving[name]
+            task = loop.create_task(self._leave(tenant, then), name=f"gateway-run-remove-{name}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _leave(self, tenant: Tenant, then: Callable[[Tenant], Awaitable[None]]) -> None:
+        name, grace = tenant.name, tenant.run.remove_grace_s
+        if not await tenant.drained(grace):
+            aborted = tenant.abort_removed()
+            log.warning("run %s removed: %d rollouts still in flight after %.0f s, aborted",
+                        name, aborted, grace)  # fmt: skip
+            await tenant.drained(self.drain_s)
+        await then(tenant)
+
+    async def aclose(self) -> None:
+        for handle in self._expiries:
+            handle.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 class SingleRun:
@@ -164,12 +202,11 @@ class MultiRun:
 
     reloads_runs = True
 
-    def __init__(self, tenancy: Tenancy) -> None:
+    def __init__(self, tenancy: Tenancy, drain_s: float) -> None:
         self.tenancy = tenancy
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
-        self._removals: set[asyncio.Task[None]] = set()
-        self._expiries: list[asyncio.TimerHandle] = []
+        self._departures = Departures(tenancy, drain_s)
         self._stamp: object = None
         """The config file's stamp when it was last read, by whichever reload read it (the
         watch, SIGHUP or the admin's POST): the watch reloads only a file it has not seen."""
@@ -228,12 +265,6 @@ class MultiRun:
 
     async def reload(self, fleet: RunFleet, why: str) -> dict[str, Any]:
         settings = fleet.settings
-        if settings.worker_count() != 1:
-            self._count("refused")
-            raise ReloadUnsupported(
-                "Reloading the runs is not supported with serve --workers N: every process "
-                "holds the run set; restart the gateway to apply the config file's runs."
-            )
         async with self._lock:
             self._stamp = config_stamp(settings)
             try:
@@ -251,20 +282,15 @@ class MultiRun:
                 log.warning("runs reload (%s): %s changed in the config file; a reload applies "
                             "only runs and lora_slots_per_replica: restart to apply it",
                             why, name)  # fmt: skip
-            loop = asyncio.get_running_loop()
             for tenant in added:
                 tenancy.start_chores(tenant, settings.adapter_audit_interval_s)
             await asyncio.gather(*(t.manager.rebuild() for t in added))
             await self._moved(fleet, moves, {t.name for t in added})
-            for name in plan.rotated:
-                key, overlap = old_keys[name], tenancy.tenants[name].run.key_overlap_s
-                if key is not None and overlap > 0:
-                    self._expiries.append(loop.call_later(overlap, tenancy.expire_key, name, key))
-            for name in plan.removed:
-                task = loop.create_task(self._remove(fleet, tenancy.leaving[name]),
-                                        name=f"gateway-run-remove-{name}")  # fmt: skip
-                self._removals.add(task)
-                task.add_done_callback(self._removals.discard)
+
+            async def unload(tenant: Tenant) -> None:
+                await self._unload(fleet, tenant)
+
+            self._departures.follow(plan, old_keys, unload)
             outcome = "applied" if plan or moves else "unchanged"
             self._count(outcome)
             log.info("runs reload (%s): %s: added %s, removed %s, key rotated %s, "
@@ -317,15 +343,14 @@ class MultiRun:
         log.error("runs reload (%s) refused, the old run set keeps serving: %s", why, problem)
         return BadRequest(f"Run set not reloaded, the old one keeps serving: {problem}")
 
-    async def _remove(self, fleet: RunFleet, tenant: Tenant) -> None:
-        """A removed run: its rollouts finish (or are aborted after its grace), then its
-        adapters are unloaded from its homes, then its slots are freed."""
-        name, grace = tenant.name, tenant.run.remove_grace_s
-        if not await tenant.drained(grace):
-            aborted = tenant.abort_removed()
-            log.warning("run %s removed: %d rollouts still in flight after %.0f s, aborted",
-                        name, aborted, grace)  # fmt: skip
-            await tenant.drained(fleet.settings.broadcast_timeout_s)
+    async def _unload(self, fleet: RunFleet, tenant: Tenant) -> None:
+        """A removed run drained here (``Departures``): once the data-plane workers' own
+        rollouts of it ended too (they abort theirs after its grace), its adapters are
+        unloaded from its homes, then its slots are freed."""
+        name = tenant.name
+        await tenant.peers.run_drained(
+            name, tenant.run.remove_grace_s + fleet.settings.broadcast_timeout_s
+        )
         await self.tenancy.stop_chores([tenant])
         await tenant.manager.aclose()
         homes = sorted(tenant.homes)
@@ -361,13 +386,37 @@ class MultiRun:
                 log.exception("runs reload failed")
 
     async def aclose(self) -> None:
-        for handle in self._expiries:
-            handle.cancel()
-        for task in list(self._removals):
-            task.cancel()
-        await asyncio.gather(*self._removals, return_exceptions=True)
+        await self._departures.aclose()
 
 
-def mode_for(table: RunTable, tenancy: Tenancy) -> RunMode:
+class WorkerRuns:
+    """A data-plane worker's run set (``serve --workers N``): the owner reloads the runs
+    and sends each worker the new set (``gateway.workers``); the worker adopts it as the
+    owner did, but for what only the owner does (placement, adapters): removed runs stop
+    being identified at once and their rollouts here drain or are aborted after their
+    grace, rotated keys keep working for their overlap, added runs are served at once
+    (their homes and adapters come with the next snapshot, on the same stream)."""
+
+    def __init__(self, tenancy: Tenancy, drain_s: float) -> None:
+        self.tenancy = tenancy
+        self._departures = Departures(tenancy, drain_s)
+
+    def adopt(self, table: RunTable) -> None:
+        tenancy = self.tenancy
+        old_keys = {t.name: t.run.key for t in tenancy}
+        plan, _, _ = tenancy.apply(table, None)
+        if plan.refused is not None:  # the owner applied it: only a bug gets here
+            log.error("worker: the owner's run set was refused here: %s", plan.refused)
+            return
+        self._departures.follow(plan, old_keys, self._gone)
+
+    async def _gone(self, tenant: Tenant) -> None:
+        self.tenancy.gone(tenant.name)
+
+    async def aclose(self) -> None:
+        await self._departures.aclose()
+
+
+def mode_for(table: RunTable, tenancy: Tenancy, drain_s: float) -> RunMode:
     """The one place the mode is decided: by whether the configured runs have names."""
-    return MultiRun(tenancy) if table.multi else SingleRun(tenancy)
+    return MultiRun(tenancy, drain_s) if table.multi else SingleRun(tenancy)

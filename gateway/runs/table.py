@@ -12,10 +12,11 @@ no name and no prefix, so every path is the same code.
 from __future__ import annotations
 
 import hmac
-from base64 import b64decode
-from collections.abc import Callable, Iterable, Sequence
+from base64 import b64decode, b64encode
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gateway.adapters.placement import run_slots
 
@@ -53,6 +54,30 @@ class Run:
 
     def replica_name(self, name: str) -> str:
         return self.prefix + name
+
+    def to_wire(self) -> dict[str, Any]:
+        """The run as the owner sends it to its data-plane workers when a reload changed
+        the run set (``gateway.workers``: a private Unix socket of the gateway's own
+        processes, which hold the keys already; never logged)."""
+        return {
+            "name": self.name,
+            "key": None if self.key is None else b64encode(self.key).decode(),
+            "max_staleness": self.max_staleness,
+            "roots": [str(r) for r in self.roots],
+            "max_in_flight": self.max_in_flight,
+            "remove_grace_s": self.remove_grace_s,
+            "key_overlap_s": self.key_overlap_s,
+            "weight": self.weight,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Run:
+        key = data["key"]
+        return cls(
+            data["name"], None if key is None else b64decode(key), data["max_staleness"],
+            tuple(Path(r) for r in data["roots"]), data["max_in_flight"],
+            data["remove_grace_s"], data["key_overlap_s"], data["weight"],
+        )  # fmt: skip
 
     def client_name(self, replica_name: str) -> str | None:
         """The name this run knows, or None if the replica-side name is not its own."""

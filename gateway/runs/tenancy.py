@@ -365,6 +365,9 @@ class Tenancy:
         """Reloads of the run set by outcome (``gateway_run_reloads_total``)."""
         self.placement: Placement | None = None
         self.budget: int | None = None
+        self.generation = 0
+        """Counts the run sets applied (``apply``): a data-plane worker is sent the run set
+        whenever it changes (``gateway.workers.owner``)."""
         self._single = None if table.multi else self.tenants[""]
 
     def _tenant(self, run: Run) -> Tenant:
@@ -389,6 +392,7 @@ class Tenancy:
             found = self._fits(found, new)
         if found.refused is not None:
             return found, [], []
+        self.generation += 1
         for name in found.removed:
             self.leaving[name] = self.tenants.pop(name)
             self._retired.pop(name, None)
@@ -448,6 +452,10 @@ class Tenancy:
 
     def __iter__(self) -> Iterator[Tenant]:
         return iter(self.tenants.values())
+
+    def find(self, name: str) -> Tenant | None:
+        """The run of that name, live or still leaving."""
+        return self.tenants.get(name) or self.leaving.get(name)
 
     def managers(self) -> list[AdapterManager]:
         return [t.manager for t in self.tenants.values()]

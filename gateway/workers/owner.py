@@ -51,6 +51,9 @@ class _Link:
     pid: int
     writer: asyncio.StreamWriter
     acked: int = -1
+    runs: int = -1
+    """The run set generation it was sent (-1: none yet; a joining worker is sent the
+    owner's, whatever it started with)."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     replies: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
 
@@ -142,8 +145,17 @@ class Hub:
         self.published = snapshot
         message = {"op": "snapshot", "snapshot": snapshot.to_wire()}
         for link in self.links.values():
-            write_message(link.writer, message)
+            self._send(link, snapshot, message)
         return snapshot
+
+    def _send(self, link: _Link, snapshot: ControlSnapshot, message: dict[str, Any]) -> None:
+        """The snapshot, after the run set if the worker was not sent this one (the same
+        stream: it adopts the runs before it routes by the snapshot that names them)."""
+        if link.runs != snapshot.runs_generation:
+            runs = [run.to_wire() for run in self.gw.tenancy.table.runs]
+            write_message(link.writer, {"op": "runs", "runs": runs})
+            link.runs = snapshot.runs_generation
+        write_message(link.writer, message)
 
     async def _wait_acked(self, links: list[_Link], epoch: int) -> None:
         lagging = [link for link in links if link.acked < epoch]
@@ -242,7 +254,7 @@ class Hub:
                     self._drop(old)
                 snapshot = self._take()
                 self.links[link.worker] = link
-                write_message(writer, {"op": "snapshot", "snapshot": snapshot.to_wire()})
+                self._send(link, snapshot, {"op": "snapshot", "snapshot": snapshot.to_wire()})
             log.info("worker %d (pid %d) joined at control snapshot %d",
                      link.worker, link.pid, snapshot.epoch)  # fmt: skip
             while True:

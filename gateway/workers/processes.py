@@ -39,9 +39,10 @@ from starlette.middleware import Middleware
 
 from gateway.api import FastPath
 from gateway.app import build_gateway, create_app
-from gateway.config import Settings
+from gateway.config import Settings, current_runs
 from gateway.fleet.shared import SharedState
 from gateway.http.server.serving import listen_socket, serve
+from gateway.runs.mode import WorkerRuns
 from gateway.workers.owner import Hub, SyncBeforeAnswer
 from gateway.workers.snapshot import SnapshotFeed
 from gateway.workers.worker import (
@@ -83,9 +84,20 @@ def supervise(settings: Settings, workers: int) -> int:
     def on_signal(signum: int, _frame: object) -> None:
         stopping.append(signum)
 
+    owners: list[BaseProcess] = []  # the owner now (it is restarted if it dies)
+
+    def hangup(signum: int, _frame: object) -> None:
+        # SIGHUP re-reads the replicas file and the run set: the owner's work (it tells
+        # the workers); the default action would end the whole gateway.
+        if owners and owners[-1].pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(owners[-1].pid, signal.SIGHUP)
+
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, hangup)
     try:
         owner = start(_owner_main, settings, shared, workers, rundir)
+        owners.append(owner)
         if not _wait_for(rundir / _CONTROL, owner, stopping, timeout=600.0):
             log.error("the owner process did not start (exit code %s)", owner.exitcode)
             _stop([owner], 5.0)
@@ -105,6 +117,7 @@ def supervise(settings: Settings, workers: int) -> int:
                           owner.exitcode)  # fmt: skip
                 (rundir / _CONTROL).unlink(missing_ok=True)
                 owner = start(_owner_main, settings, shared, workers, rundir)
+                owners[:] = [owner]
             for k, proc in procs.items():
                 if proc.is_alive():
                     continue
@@ -160,8 +173,8 @@ def _child(parent: int, target: Callable[..., None], *args: object) -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the supervisor died before prctl took effect
         os._exit(1)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     target(*args)
 
 
@@ -172,6 +185,7 @@ def _serve(app: object, sock: socket.socket, settings: Settings, lean: bool) -> 
 
 
 def _owner_main(settings: Settings, shared: SharedState, workers: int, rundir: Path) -> None:
+    settings = current_runs(settings)
     hub = Hub(str(rundir / _CONTROL), shared=shared, workers=workers)
 
     @contextlib.asynccontextmanager
@@ -211,7 +225,8 @@ def _worker_main(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        follower = Follower(gw, worker, str(rundir / _CONTROL), link, feed)
+        runs = WorkerRuns(gw.tenancy, settings.broadcast_timeout_s)
+        follower = Follower(gw, worker, str(rundir / _CONTROL), link, feed, runs)
         reader = await follower.connect(timeout=30.0)
         tasks = [
             asyncio.create_task(follower.run(reader), name="gateway-follow"),
@@ -224,6 +239,7 @@ def _worker_main(
         finally:
             for task in tasks:
                 task.cancel()
+            await runs.aclose()
             await owner.aclose()
             await gw.upstream.aclose()
 

@@ -87,6 +87,9 @@ class ControlSnapshot:
     cache_resets: Mapping[int, int] = field(default_factory=lambda: _NO_RESETS)
     """Replica -> how often its prefix cache was emptied (a change: forget what the
     router learned about it)."""
+    runs_generation: int = 0
+    """The owner's run set (``Tenancy.generation``): a worker that has not been sent this
+    one is sent it (keys and limits, op ``runs``) before the snapshot."""
 
     def same_state(self, other: ControlSnapshot | None) -> bool:
         """Equal but for the epoch: nothing to publish."""
@@ -101,6 +104,7 @@ class ControlSnapshot:
             "healthy": sorted(self.healthy),
             "runs": [r.to_wire() for r in self.runs],
             "cache_resets": {str(i): n for i, n in self.cache_resets.items()},
+            "runs_generation": self.runs_generation,
         }
 
     @classmethod
@@ -110,6 +114,7 @@ class ControlSnapshot:
             healthy=frozenset(data["healthy"]),
             runs=tuple(RunView.from_wire(r) for r in data["runs"]),
             cache_resets=MappingProxyType({int(i): n for i, n in data["cache_resets"].items()}),
+            runs_generation=data["runs_generation"],
         )
 
 
@@ -135,6 +140,7 @@ def capture(gw: Gateway, epoch: int) -> ControlSnapshot:
         healthy=frozenset(gw.pool.healthy_indices()),
         runs=tuple(runs),
         cache_resets=MappingProxyType(dict(gw.rotation.cache_resets)),
+        runs_generation=gw.tenancy.generation,
     )
 
 

@@ -25,6 +25,8 @@ from gateway.api.responses import error_response
 from gateway.errors import GatewayError, UpstreamUnavailable
 from gateway.fleet.shared import FLEET_LOADS_S, SharedState
 from gateway.http.upstream import HOP_BY_HOP
+from gateway.runs.mode import WorkerRuns
+from gateway.runs.table import Run, RunTable
 from gateway.workers.channel import read_message, write_message
 from gateway.workers.snapshot import ControlSnapshot, RunView, SnapshotFeed
 
@@ -67,18 +69,21 @@ class OwnerLink:
 
 
 class Follower:
-    """The worker's end of the owner's channel: applies snapshots, acks them, answers
-    the owner's questions. The worker's gateway was built with ``link`` as its reporter
-    and ``feed`` as its runs' routes."""
+    """The worker's end of the owner's channel: adopts the owner's run set when it
+    changes (``runs``), applies snapshots, acks them, answers the owner's questions. The
+    worker's gateway was built with ``link`` as its reporter and ``feed`` as its runs'
+    routes."""
 
     def __init__(
-        self, gw: Gateway, worker: int, path: str, link: OwnerLink, feed: SnapshotFeed
-    ) -> None:
+        self, gw: Gateway, worker: int, path: str, link: OwnerLink, feed: SnapshotFeed,
+        runs: WorkerRuns,
+    ) -> None:  # fmt: skip
         self.gw = gw
         self.worker = worker
         self.path = path
         self.link = link
         self.feed = feed
+        self.runs = runs
         self.snapshot: ControlSnapshot | None = None
 
     async def connect(self, timeout: float) -> asyncio.StreamReader:
@@ -86,10 +91,12 @@ class Follower:
         before it has one)."""
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path), timeout)
         write_message(writer, {"op": "hello", "worker": self.worker, "pid": os.getpid()})
-        first = await asyncio.wait_for(read_message(reader), timeout)
         self.link.connected(writer)
-        self._handle(first)
-        return reader
+        while True:  # the owner's run set, then its snapshot
+            message = await asyncio.wait_for(read_message(reader), timeout)
+            self._handle(message)
+            if message["op"] == "snapshot":
+                return reader
 
     async def run(self, reader: asyncio.StreamReader) -> None:
         """Follow the owner for the worker's life; while it is gone (restarting), keep
@@ -117,11 +124,15 @@ class Follower:
             self.apply(snapshot)
             self.link.report({"op": "ack", "epoch": snapshot.epoch})
             return
+        if op == "runs":
+            self.runs.adopt(RunTable(Run.from_wire(r) for r in message["runs"]))
+            return
         value: Any
         if op == "adapter_in_flight":
             value = self.feed.in_flight[(message["name"], int(message["replica"]))]
         elif op == "run_in_flight":
-            value = self.gw.tenancy.tenants[message["run"]].in_flight
+            tenant = self.gw.tenancy.find(message["run"])
+            value = 0 if tenant is None else tenant.in_flight
         elif op == "metrics":
             value = self.gw.metrics.render().decode()
         elif op == "status":

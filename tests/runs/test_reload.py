@@ -333,48 +333,64 @@ async def test_another_run_sees_only_200s_through_every_reload(tmp_path: Path) -
         assert tenant.paused is None and tenant.homes == {0, 1}
 
 
-async def test_a_reload_under_workers_is_refused_naming_the_restart(tmp_path: Path) -> None:
-    async with live(tmp_path, [spec(tmp_path, "run-a")], workers=2) as g:
-        g.write([spec(tmp_path, "run-a"), spec(tmp_path, "run-b")])
-        r = await g.reload()
-        assert r.status_code == 501, r.text
-        assert "--workers" in r.json()["error"]["message"]
-        assert "restart" in r.json()["error"]["message"]
-        assert list(g.gateway.tenancy.tenants) == ["run-a"]
-
-
-async def test_a_reload_under_real_workers_is_refused_by_every_process(tmp_path: Path) -> None:
-    """``serve --workers 2``: whichever process a connection reaches, the reload is refused
-    (501) and the runs stay as they were; the processes keep serving."""
+async def test_runs_reload_live_on_every_worker_by_post_and_by_sighup(tmp_path: Path) -> None:
+    """``serve --workers 2``: the owner applies a reload and sends every worker the new run
+    set before it answers, so whichever worker a rollout reaches knows it: an added run
+    rolls out, a rotated key works old and new, a removed run's key is refused. SIGHUP to
+    the supervisor reaches the owner (it does not end the gateway)."""
     config = tmp_path / "gateway.yaml"
-    runs = [spec(tmp_path, "run-a")]
-    config.write_text(yaml.safe_dump({"runs": runs, "lora_slots_per_replica": 6,
-                                      "admin_key": ADMIN}))  # fmt: skip
+    a, b = spec(tmp_path, "run-a"), spec(tmp_path, "run-b")
+
+    def write(runs: list[dict[str, Any]]) -> None:
+        tmp = config.with_name("gateway.yaml.tmp")
+        tmp.write_text(yaml.safe_dump({"runs": runs, "lora_slots_per_replica": 12,
+                                       "admin_key": ADMIN}))  # fmt: skip
+        os.replace(tmp, config)
+
+    async def burst(run: str, key: str) -> set[int]:
+        """A rollout on each of 16 fresh connections: both workers take some."""
+
+        async def one() -> int:
+            async with httpx.AsyncClient(base_url=fleet.url, auth=(run, key), timeout=30) as c:
+                body = {**COMPLETION, "model": "tiny-base"}
+                return (await c.post("/v1/completions", json=body)).status_code
+
+        return set(await asyncio.gather(*(one() for _ in range(16))))
+
+    async def reload() -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        async with httpx.AsyncClient(base_url=fleet.url, headers=headers, timeout=30) as c:
+            r = await c.post(RELOAD)
+            assert r.status_code == 200, r.text
+            answer: dict[str, Any] = r.json()
+            return answer
+
+    write([a, b])
     args = ["--workers", "2", "--config", str(config)]
     with sim_fleet(1, tmp_path, gateway_args=args) as fleet:
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "runs": [*runs, spec(tmp_path, "run-b")],
-                    "lora_slots_per_replica": 6,
-                    "admin_key": ADMIN,
-                }
-            )
-        )
+        assert await burst("run-a", "key-run-a") == {200}
+        assert await burst("run-c", "key-run-c") == {401}  # not a run yet
+        c, rotated = spec(tmp_path, "run-c"), {**b, "key": "key-run-b-2"}
+        write([a, rotated, c])
+        answer = await reload()
+        assert (answer["added"], answer["rotated"]) == (["run-c"], ["run-b"]), answer
+        assert await burst("run-c", "key-run-c") == {200}
+        assert await burst("run-b", "key-run-b-2") == {200}
+        assert await burst("run-b", "key-run-b") == {200}  # the overlap (60 s)
+        write([rotated, c])
+        assert (await reload())["removed"] == ["run-a"]
+        assert await burst("run-a", "key-run-a") == {401}
+        # SIGHUP to the supervisor: the owner reloads the file and tells the workers
+        write([rotated, c, spec(tmp_path, "run-d")])
+        assert fleet.gateway.popen is not None
+        fleet.gateway.popen.send_signal(signal.SIGHUP)
 
-        async def once() -> int:  # a fresh connection each: both workers take some
-            headers = {"Authorization": f"Bearer {ADMIN}"}
-            async with httpx.AsyncClient(base_url=fleet.url, headers=headers, timeout=30) as c:
-                r = await c.post(RELOAD)
-                assert "--workers" in r.json()["error"]["message"], r.text
-                return r.status_code
+        async def known() -> bool:
+            return await burst("run-d", "key-run-d") == {200}
 
-        assert set(await asyncio.gather(*(once() for _ in range(8)))) == {501}
-        async with httpx.AsyncClient(base_url=fleet.url, timeout=30) as c:
-            status = await c.get("/gateway/status", headers={"Authorization": f"Bearer {ADMIN}"})
-            assert [r["name"] for r in status.json()["runs"]] == ["run-a"]
-            b = await c.get("/v1/models", auth=("run-b", "key-run-b"))
-            assert b.status_code == 401
+        await eventually(known, "run-d known to both workers after SIGHUP")
+        assert fleet.gateway.popen.poll() is None  # the gateway lives on
+        assert await burst("run-c", "key-run-c") == {200}
 
 
 async def test_max_staleness_changes_live_and_a_window_too_wide_is_refused(
@@ -417,3 +433,38 @@ async def test_max_staleness_changes_live_and_a_window_too_wide_is_refused(
         async with g.admin() as admin:
             (run,) = (await admin.get("/gateway/status")).json()["runs"]
         assert run["max_staleness"] == 3
+
+
+async def test_a_removed_runs_rollout_on_a_worker_is_aborted_after_its_grace(
+    tmp_path: Path,
+) -> None:
+    """``serve --workers 2``: the worker that runs a removed run's rollout drains it, and
+    past the run's ``remove_grace_s`` aborts it with the 503 the owner's own abort gives."""
+    config = tmp_path / "gateway.yaml"
+    a, b = spec(tmp_path, "run-a", remove_grace_s=0.5), spec(tmp_path, "run-b")
+    config.write_text(yaml.safe_dump({"runs": [a, b], "lora_slots_per_replica": 12,
+                                      "admin_key": ADMIN}))  # fmt: skip
+    args = ["--workers", "2", "--config", str(config)]
+    slow = ["--latency-model", "decode=0.1"]  # 100 tokens: 10 s
+    with sim_fleet(1, tmp_path, gateway_args=args, sim_args=slow) as fleet:
+        async with (
+            httpx.AsyncClient(base_url=fleet.url, auth=("run-a", "key-run-a"), timeout=60) as ra,
+            httpx.AsyncClient(base_url=fleet.url, headers={"Authorization": f"Bearer {ADMIN}"},
+                              timeout=30) as admin,
+        ):  # fmt: skip
+            body = {**COMPLETION, "model": "tiny-base", "max_tokens": 100}
+            rollout = asyncio.ensure_future(ra.post("/v1/completions", json=body))
+
+            async def running() -> bool:
+                r = await admin.get("/gateway/status")
+                return sum(w["in_flight"] for w in r.json()["workers"]) == 1
+
+            await eventually(running, "the rollout in flight on a worker")
+            config.write_text(yaml.safe_dump({"runs": [b], "lora_slots_per_replica": 12,
+                                              "admin_key": ADMIN}))  # fmt: skip
+            r = await admin.post(RELOAD)
+            assert r.status_code == 200 and r.json()["removed"] == ["run-a"], r.text
+            answer = await asyncio.wait_for(rollout, 8)  # well before its 10 s
+            assert answer.status_code == 503, answer.text
+            assert "removed" in answer.json()["error"]["message"]
+            assert answer.headers["retry-after"] == "1"

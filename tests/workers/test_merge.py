@@ -16,6 +16,7 @@ from gateway.config import load_settings
 from gateway.core import Gateway
 from gateway.metrics import RouteKind
 from gateway.routing.policy import Decision, Reason
+from gateway.runs.mode import WorkerRuns
 from gateway.workers.merge import add_workers, merge_expositions
 from gateway.workers.snapshot import SnapshotFeed
 from gateway.workers.worker import Follower, OwnerLink
@@ -299,8 +300,8 @@ def test_add_workers_sums_per_replica_and_routing() -> None:
     before = {r["index"]: (r["in_flight"], r["served"]) for r in status["replicas"]}
     assert before == {0: (1, 1), 1: (0, 0)}
     # what a worker answers, as it arrives over the channel
-    followers = [Follower(gw, k, "/nonexistent", OwnerLink(), SnapshotFeed())
-                 for k, gw in ((3, w3), (1, w1))]  # fmt: skip
+    followers = [Follower(gw, k, "/nonexistent", OwnerLink(), SnapshotFeed(),
+                          WorkerRuns(gw.tenancy, 1.0)) for k, gw in ((3, w3), (1, w1))]  # fmt: skip
     workers = [orjson.loads(orjson.dumps(f.status())) for f in followers]
     add_workers(status, workers)
     after = {r["index"]: (r["in_flight"], r["served"]) for r in status["replicas"]}
