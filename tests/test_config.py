@@ -264,6 +264,21 @@ def test_a_reload_rereads_the_runs_and_names_other_changed_settings(tmp_path: Pa
     assert found.lora_slots_per_replica == 6 and found.ignored == ("router",)
 
 
+def test_a_restarted_owner_takes_the_files_runs_as_they_are_now(tmp_path: Path) -> None:
+    from gateway.config import current_runs
+
+    path = _runs_file(tmp_path, RUN_A)
+    settings = load_settings(config_file=path, environ={})
+    _runs_file(tmp_path, RUN_A + RUN_B)
+    now = current_runs(settings)
+    assert [r.name for r in now.runs] == ["run-a", "run-b"] and now.lora_slots_per_replica == 6
+    assert [r.name for r in current_runs(now).runs] == ["run-a", "run-b"]  # still from the file
+    _runs_file(tmp_path, "  []\n")  # unusable: the runs it was given
+    assert [r.name for r in current_runs(settings).runs] == ["run-a"]
+    flags = load_settings({"replicas": ["http://r0:8000"]}, environ={})
+    assert current_runs(flags) is flags  # not from a file: nothing to re-read
+
+
 @pytest.mark.parametrize(
     ("runs", "expected"),
     [

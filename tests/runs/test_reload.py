@@ -391,6 +391,26 @@ async def test_runs_reload_live_on_every_worker_by_post_and_by_sighup(tmp_path: 
         await eventually(known, "run-d known to both workers after SIGHUP")
         assert fleet.gateway.popen.poll() is None  # the gateway lives on
         assert await burst("run-c", "key-run-c") == {200}
+        # the owner dies: the one the supervisor starts reads the file's runs as they are
+        # now (the gateway started with run-a and run-b), and the workers rejoin it
+        async with httpx.AsyncClient(base_url=fleet.url, timeout=30) as anyone:
+            status = await anyone.get(
+                "/gateway/status", headers={"Authorization": f"Bearer {ADMIN}"}
+            )
+            owner = status.json()["owner_pid"]
+            os.kill(owner, signal.SIGKILL)
+
+            async def restarted() -> bool:
+                r = await anyone.get(
+                    "/gateway/status", headers={"Authorization": f"Bearer {ADMIN}"}
+                )
+                return r.status_code == 200 and r.json()["owner_pid"] != owner
+
+            await eventually(restarted, "a new owner")
+            models = await anyone.get("/v1/models", auth=("run-d", "key-run-d"))
+            assert models.status_code == 200, models.text  # the owner knows run-d
+            assert (await anyone.get("/v1/models", auth=("run-a", "key-run-a"))).status_code == 401
+        assert await burst("run-d", "key-run-d") == {200}
 
 
 async def test_max_staleness_changes_live_and_a_window_too_wide_is_refused(

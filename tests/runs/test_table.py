@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from base64 import b64encode
+from pathlib import Path
 
+import orjson
 import pytest
 
 from gateway.runs.table import Run, RunTable, owner_of, presented_credential
@@ -75,3 +77,14 @@ def test_slots_are_the_staleness_window_plus_one_to_sync() -> None:
 def test_every_run_needs_a_name_and_a_key_in_multi_run_mode() -> None:
     with pytest.raises(ValueError, match="name and a key"):
         RunTable([A, Run("", None, 1)])
+
+
+def test_a_run_crosses_the_owners_channel_whole() -> None:
+    """What the owner sends its workers on a reload (JSON): every field comes back, the
+    key's bytes exactly, whatever they are."""
+    run = Run("run-x", b"k\x00\xff:=", 3, (Path("/a"), Path("/b")), 7, 2.5, 9.0, 0.25)
+    wire = orjson.loads(orjson.dumps(run.to_wire()))
+    assert Run.from_wire(wire) == run
+    assert Run.from_wire(wire).prefix == "run-x~"
+    single = Run("", None, 2)
+    assert Run.from_wire(orjson.loads(orjson.dumps(single.to_wire()))) == single
