@@ -24,7 +24,8 @@ class RunCollector(Collector):
         self._tenancy = tenancy
 
     def collect(self) -> Iterator[Metric]:
-        runs = list(self._tenancy)
+        tenancy = self._tenancy
+        runs = tenancy.every()  # a removed run's counts until it is gone: its last ones
         families = (
             ("gateway_run_in_flight", "Rollouts of the run in flight.", GaugeMetricFamily,
              lambda t: t.in_flight),
@@ -32,6 +33,9 @@ class RunCollector(Collector):
              lambda t: t.requests),
             ("gateway_run_paused", "1 while the run's scoped /pause holds its rollouts.",
              GaugeMetricFamily, lambda t: 1.0 if t.paused is not None else 0.0),
+            ("gateway_run_leaving",
+             "1 while a reload removed the run and it drains, or its adapters are unloaded.",
+             GaugeMetricFamily, lambda t: 0.0 if t.name in tenancy.tenants else 1.0),
             ("gateway_run_home_replicas", "Replicas the run is placed on (0: unplaced).",
              GaugeMetricFamily, lambda t: len(t.homes)),
             ("gateway_run_live_adapters", "Adapter versions of the run live on its homes.",

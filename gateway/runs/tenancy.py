@@ -453,6 +453,11 @@ class Tenancy:
     def __iter__(self) -> Iterator[Tenant]:
         return iter(self.tenants.values())
 
+    def every(self) -> list[Tenant]:
+        """The runs serving, then those a reload removed that are still leaving (draining,
+        their adapters being unloaded): what status and metrics show."""
+        return [*self.tenants.values(), *self.leaving.values()]
+
     def find(self, name: str) -> Tenant | None:
         """The run of that name, live or still leaving."""
         return self.tenants.get(name) or self.leaving.get(name)
@@ -558,6 +563,7 @@ class Tenancy:
         return [
             {
                 "name": t.name,
+                "state": "serving" if t.name in self.tenants else "leaving",
                 "home_replicas": sorted(t.homes),
                 "slots": t.run.slots,
                 "max_staleness": t.run.max_staleness,
@@ -569,6 +575,6 @@ class Tenancy:
                 "usage": t.usage.status(),
                 "fair": self._fair_status(t),
             }
-            for t in self
+            for t in self.every()
             if only is None or t.name == only
         ]

@@ -158,6 +158,12 @@ async def test_a_removed_run_stops_at_once_and_its_rollout_is_aborted_after_its_
             reloaded = await g.reload()
             assert reloaded.status_code == 200 and reloaded.json()["removed"] == [leaving]
             assert (await gone.get("/v1/models")).status_code == 401  # at once
+            async with g.admin() as admin:  # shown as leaving while it drains
+                shown = (await admin.get("/gateway/status")).json()["runs"]
+                metrics = (await admin.get("/metrics")).text
+            assert {r["name"]: r["state"] for r in shown}[leaving] == "leaving"
+            assert f'gateway_run_leaving{{run="{leaving}"}} 1.0' in metrics
+            assert f'gateway_run_leaving{{run="{waiting}"}} 0.0' in metrics
             answer = await asyncio.wait_for(running, 10)
             assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
             assert "was removed from the gateway" in answer.json()["error"]["message"]
@@ -169,6 +175,7 @@ async def test_a_removed_run_stops_at_once_and_its_rollout_is_aborted_after_its_
                 )
 
             await eventually(freed, "the removed run's adapters unloaded and its slots freed")
+            assert leaving not in [r["name"] for r in g.gateway.tenancy.status()]  # gone
             await eventually(lambda: bool(g.gateway.tenancy.tenants[waiting].homes),
                              "the run that did not fit placed")  # fmt: skip
 
