@@ -71,6 +71,9 @@ class Entry:
     """The replica of the current attempt."""
     status: int = 0
     retrying: bool = False
+    aborted: bool = False
+    """Its run's ``/pause?mode=abort`` (or its removal) cut its stream: not a client that
+    left (``gateway_client_disconnects_total`` does not count it)."""
     started: float = 0.0
     """When the first attempt began (``gateway_request_duration_seconds``)."""
 
@@ -182,7 +185,7 @@ class Ledger:
         """The upstream answer is over (``completed``: all of it reached the client)."""
         self._tasks.leave(entry.index, entry.task)
         self._release(entry)
-        if not completed:
+        if not completed and not entry.aborted:
             self._metrics.client_disconnects.inc()
         self._metrics.record_request(entry.kind, entry.status, time.perf_counter() - entry.started)
 
@@ -193,7 +196,9 @@ class Ledger:
             self._metrics.aborted.inc()
             return broken_mid_stream()
         counted = entry.counted
-        return None if counted is None else counted.aborts.take(entry.task)
+        why = None if counted is None else counted.aborts.take(entry.task)
+        entry.aborted = why is not None
+        return why
 
     def exit(self, entry: Entry, status: int | None = None) -> None:
         """The answer was sent (``status``), or the request ended without one (None)."""

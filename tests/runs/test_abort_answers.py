@@ -67,6 +67,8 @@ async def test_pause_abort_answers_running_and_held_rollouts(tmp_path: Path) -> 
         assert b"[DONE]" not in text  # not mistaken for a finished generation
         assert (await asyncio.wait_for(other, 5)).status_code == 200  # run-b untouched
         assert tenant.in_flight == 0 and c.gateway.ledger.admission.in_flight == 0  # nothing leaked
+        metrics = (await b.get("/metrics")).text  # the cut stream: no client left it
+        assert "gateway_client_disconnects_total 0.0" in metrics
         await eventually(lambda: c.sim(0).running + c.sim(1).running == 0,
                          "the replicas' generations cancelled")  # fmt: skip
 
