@@ -403,6 +403,9 @@ class WorkerRuns:
 
     def adopt(self, table: RunTable) -> None:
         tenancy = self.tenancy
+        for run in table.runs:  # back after the owner saw it gone (its rollouts here
+            if run.name in tenancy.leaving:  # ended), before this worker's drain noticed
+                tenancy.gone(run.name)
         old_keys = {t.name: t.run.key for t in tenancy}
         plan, _, _ = tenancy.apply(table, None)
         if plan.refused is not None:  # the owner applied it: only a bug gets here
@@ -411,7 +414,8 @@ class WorkerRuns:
         self._departures.follow(plan, old_keys, self._gone)
 
     async def _gone(self, tenant: Tenant) -> None:
-        self.tenancy.gone(tenant.name)
+        if self.tenancy.leaving.get(tenant.name) is tenant:  # not gone already (above)
+            self.tenancy.gone(tenant.name)
 
     async def aclose(self) -> None:
         await self._departures.aclose()
