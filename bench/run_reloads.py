@@ -11,6 +11,11 @@ every ``--period-s``. Reports B's p50 / p99 and errors per window kind, the rati
 medians over rounds, and every reload's outcome.
 
     .venv/bin/python bench/run_reloads.py     # writes bench/results/run-reloads.{json,md}
+    .venv/bin/python bench/run_reloads.py --workers 2   # run-reloads-workers2.{json,md}
+
+With ``--workers N`` the gateway is ``serve --workers N``: the owner applies each reload
+and sends every worker the new run set before it answers; B's rollouts are spread over
+the workers (a fresh connection per rollout, so the kernel spreads them).
 
 Simulated replicas answer at once, so B's latency is the gateway's own: what a reload's
 work (validation, placement, a run's manager built or drained, adapters unloaded) takes
@@ -50,13 +55,19 @@ def config(root: Path, with_c: bool) -> str:
     return yaml.safe_dump({"admin_key": ADMIN, "lora_slots_per_replica": 8, "runs": runs})
 
 
-async def load_b(url: str, seconds: float, concurrency: int) -> tuple[list[float], int]:
-    """B's closed loop for ``seconds``: latencies (ms) and errors."""
+async def load_b(
+    url: str, seconds: float, concurrency: int, fresh: bool = False
+) -> tuple[list[float], int]:
+    """B's closed loop for ``seconds``: latencies (ms) and errors. ``fresh``: a new
+    connection per rollout (``--workers N``: the kernel spreads them over the workers)."""
     lat: list[float] = []
     errors = 0
     end = time.monotonic() + seconds
     body = {"model": "trl-policy-v1", "prompt": PROMPT, "max_tokens": 8}
-    async with httpx.AsyncClient(base_url=url, auth=("run-b", "key-b"), timeout=30) as c:
+    limits = httpx.Limits(max_keepalive_connections=0) if fresh else httpx.Limits()
+    async with httpx.AsyncClient(
+        base_url=url, auth=("run-b", "key-b"), timeout=30, limits=limits
+    ) as c:
 
         async def one() -> None:
             nonlocal errors
@@ -118,8 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-s", type=float, default=20.0)
     p.add_argument("--period-s", type=float, default=4.0)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--out-stem", default="run-reloads")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--out-stem", default=None, help="default: run-reloads[-workersN]")
     args = p.parse_args(argv)
+    if args.out_stem is None:
+        args.out_stem = "run-reloads" + (f"-workers{args.workers}" if args.workers > 1 else "")
     meta = report.machine_info(
         ("rollout-gateway",),
         **vars(args),
@@ -155,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             str(port),
             "--log-level",
             "warning",
+            *(["--workers", str(args.workers)] if args.workers > 1 else []),
         ]
         try:
             with Proc("gateway", argv_, root / "gateway.log", url=url) as gw:
@@ -166,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     timeout=30,
                 )
                 assert b.status_code == 200, b.text
-                asyncio.run(load_b(url, 3, args.concurrency))  # warm-up
+                asyncio.run(load_b(url, 3, args.concurrency, args.workers > 1))  # warm-up
                 for rnd in range(args.rounds):
                     for kind in ("quiet", "reloading") if rnd % 2 == 0 else ("reloading", "quiet"):
                         stop = threading.Event()
@@ -177,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                         )
                         if kind == "reloading":
                             th.start()
-                        lat, errors = asyncio.run(load_b(url, args.window_s, args.concurrency))
+                        lat, errors = asyncio.run(
+                            load_b(url, args.window_s, args.concurrency, args.workers > 1)
+                        )
                         stop.set()
                         if th.is_alive():
                             th.join(60)
@@ -223,7 +240,12 @@ def markdown(d: dict[str, Any]) -> str:
         "# A live reload of the run set, as another run sees it (`bench/run_reloads.py`)",
         "",
         f"Run B keeps {m['concurrency']} rollouts in flight (closed loop, its adapter) "
-        "through one gateway process over 2 simulated replicas; in the *reloading* windows "
+        + (
+            f"through `serve --workers {m['workers']}` (a fresh connection per rollout) "
+            if m.get("workers", 1) > 1
+            else "through one gateway process "
+        )
+        + "over 2 simulated replicas; in the *reloading* windows "
         f"run C joins, loads, rolls out once and leaves, a reload every {m['period_s'] / 2:.0f} s "
         f"(config file rewritten, `POST /gateway/runs/reload`). {m['rounds']} rounds of "
         f"{m['window_s']:.0f} s windows, alternating. {m['date']}, git `{m.get('git_head')}`, "

@@ -3,12 +3,12 @@ suite produces is checked for them at the end of the session (a leak fails the r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import HealthCheck, settings
 
 from tests.deploy._proc import sim_replica as _sim_replica
 
@@ -39,23 +39,27 @@ RECORDER = _Recorder()
 # every time, so a landing is never refused by a case nobody has seen before, and time
 # plays no part (no per-example deadline, no "too slow" health check: this VM drifts).
 # ``make test-explore`` draws fresh examples, round after round: run it before a change
-# lands (docs/testing.md, "Property tests").
-settings.register_profile(
-    "landing",
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    print_blob=True,
-)
-settings.register_profile(
-    "explore",
-    derandomize=False,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    print_blob=True,
-)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "landing"))
+# lands (docs/testing.md, "Property tests"). The vLLM venv's layers (trainer, TRL) have no
+# property tests and no hypothesis.
+with contextlib.suppress(ImportError):
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "landing",
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        print_blob=True,
+    )
+    settings.register_profile(
+        "explore",
+        derandomize=False,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        print_blob=True,
+    )
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "landing"))
 
 
 @pytest.fixture(scope="session", autouse=True)
