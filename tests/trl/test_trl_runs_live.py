@@ -152,6 +152,7 @@ def reloads(gw: MultiRunGateway) -> dict[str, float]:
     return {lab: v for n, lab, v in gw.metrics() if n == "gateway_run_reloads_total"}
 
 
+@pytest.mark.workers  # the owner sends each worker the new run set: run again with 2
 @pytest.mark.timeout(1500)
 def test_trl_runs_join_and_leave_live(shared: Shared) -> None:
     layer, gw, runs = shared.layer, shared.gateway, shared.runs
