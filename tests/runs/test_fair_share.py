@@ -183,7 +183,8 @@ async def test_a_flooding_runs_groups_wait_for_their_own_prefix_replica(tmp_path
                 break
         assert sorted(home) == [0, 1]
         # Both slots taken by long rollouts; then two groups of 4, interleaved, all held.
-        blockers = [asyncio.ensure_future(rollout([9, i, 9], max_tokens=20)) for i in (1, 2)]
+        # 3 s each: the groups are all held before either ends, whatever the machine's stalls
+        blockers = [asyncio.ensure_future(rollout([9, i, 9], max_tokens=60)) for i in (1, 2)]
         await eventually(lambda: c.sim(0).running == c.sim(1).running == 1, "both slots taken")
         groups = {r: [asyncio.ensure_future(rollout(home[r])) for _ in range(4)] for r in (0, 1)}
         order = [t for pair in zip(groups[0], groups[1], strict=True) for t in pair]
