@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
@@ -117,7 +118,7 @@ class FastPath:
             plan = plan_rollout(gw, inbound, body, tenant)
             if counted is not None:  # a named run: its slot, in fair order when saturated
                 with inbound.guard:
-                    prefer = gw.selection.preferred(plan)
+                    prefer = partial(gw.selection.preferred, plan)  # read only if it waits
                     entry.slot = await counted.slot(plan.candidates, prefer)
             return await dispatch(inbound, gw, entry, plan), entry
         except ClientDisconnected:

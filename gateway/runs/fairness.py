@@ -60,16 +60,19 @@ class FairGate:
 
     async def admit(
         self, run: str, weight: float, candidates: Sequence[int], usage: RunUsage,
-        prefer: int | None = None,
+        prefer: Callable[[], int | None] | None = None,
     ) -> Slot:  # fmt: skip
-        """A slot on ``candidates`` for a rollout of ``run`` (``prefer``: the replica its
-        routing prefers): at once while one is free to it, else once the core grants one,
-        or at ``wait_s`` (sent anyway, counted). The wait counts as the run's held time."""
+        """A slot on ``candidates`` for a rollout of ``run``: at once while one is free to
+        it, else once the core grants one (``prefer``, read only then: the replica its
+        routing prefers, which it waits for), or at ``wait_s`` (sent anyway, counted). The
+        wait counts as the run's held time."""
         started = self._clock()
-        ticket, others = self.share.request(run, weight, candidates, started, prefer)
+        ticket, others = self.share.request(run, weight, candidates, started)
         self._wake(others)
         if not ticket.waiting:
             return Slot(self, ticket)
+        if prefer is not None:
+            self.share.prefer(ticket, prefer())
         granted = self._waiters[ticket] = asyncio.get_running_loop().create_future()
         try:
             await asyncio.wait_for(granted, self.wait_s)

@@ -132,6 +132,11 @@ class FairShare:
         state.queue.append(ticket)
         return ticket, self.grant(now)  # a run that waits claims by tags, not by reserve
 
+    def prefer(self, ticket: Ticket, replica: int | None) -> None:
+        """The replica a ticket that has to wait prefers (the shell reads it only then: it
+        costs a prompt hash, which a rollout charged at once does not need)."""
+        ticket.prefer = replica if replica in ticket.candidates else None
+
     def room(self, ticket: Ticket, candidates: Sequence[int], now: float) -> list[int]:
         """Those of ``candidates`` the ticket's rollout may be sent to: where it is charged,
         and where its run may take a slot now (the routing decision chooses among these,
@@ -139,9 +144,7 @@ class FairShare:
         state = ticket.owner
         if ticket.overflow or state.gone:
             return list(candidates)
-        used = self._used
-        return [r for r in candidates if r == ticket.replica or (
-                used[r] < self.capacity and self._may_take(state, r, used[r], now))]  # fmt: skip
+        return [r for r in candidates if r == ticket.replica or self._open(state, r, now)]
 
     def place(self, ticket: Ticket, replica: int, now: float) -> list[Ticket]:
         """The routing decision sent the ticket's rollout to ``replica``: charge it there;
@@ -250,10 +253,7 @@ class FairShare:
                 continue
             ok = free.get(prefer)
             if ok is None:
-                used = self._used[prefer]
-                ok = free[prefer] = used < self.capacity and self._may_take(
-                    state, prefer, used, now
-                )
+                ok = free[prefer] = self._open(state, prefer, now)
             if ok:
                 return position, prefer
         replica = self._permitted(state, head.candidates, now)
@@ -279,10 +279,8 @@ class FairShare:
     ) -> int | None:
         """``prefer`` if ``state``'s run may take a slot there, else the least used of
         ``candidates`` where it may, or None."""
-        if prefer is not None:
-            used = self._used[prefer]
-            if used < self.capacity and self._may_take(state, prefer, used, now):
-                return prefer
+        if prefer is not None and self._open(state, prefer, now):
+            return prefer
         best: int | None = None
         for replica in candidates:
             used = self._used[replica]
@@ -293,6 +291,11 @@ class FairShare:
             if self._may_take(state, replica, used, now):
                 best = replica
         return best
+
+    def _open(self, state: _Run, replica: int, now: float) -> bool:
+        """``replica`` has a free slot and ``state``'s run may take it."""
+        used = self._used[replica]
+        return used < self.capacity and self._may_take(state, replica, used, now)
 
     def _share_of(self, state: _Run, replica: int, now: float) -> float:
         """``state``'s guaranteed slots on ``replica``, counting it as active there."""

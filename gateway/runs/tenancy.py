@@ -202,10 +202,10 @@ class Tenant:
         self.enter(task)
         return self
 
-    async def slot(self, candidates: Sequence[int], prefer: int | None) -> Slot:
-        """A slot on one of ``candidates`` (``prefer``: the one its routing prefers) for a
-        rollout of this named run, in weighted fair order once they are saturated
-        (``gateway.runs.fairshare``)."""
+    async def slot(self, candidates: Sequence[int], prefer: Callable[[], int | None]) -> Slot:
+        """A slot on one of ``candidates`` for a rollout of this named run, in weighted fair
+        order once they are saturated (``gateway.runs.fairshare``); ``prefer`` reads the
+        replica its routing prefers, if it has to wait."""
         assert self.fair is not None, "the implicit run takes no slot"
         return await self.fair.admit(self.name, self.run.weight, candidates, self.usage, prefer)
 
@@ -366,8 +366,8 @@ class Tenancy:
         self.placement: Placement | None = None
         self.budget: int | None = None
         self.generation = 0
-        """Counts the run sets applied (``apply``): a data-plane worker is sent the run set
-        whenever it changes (``gateway.workers.owner``)."""
+        """Counts the run sets that changed a run (``apply``): a data-plane worker is sent
+        the run set whenever it changes (``gateway.workers.owner``)."""
         self._single = None if table.multi else self.tenants[""]
 
     def _tenant(self, run: Run) -> Tenant:
@@ -392,7 +392,8 @@ class Tenancy:
             found = self._fits(found, new)
         if found.refused is not None:
             return found, [], []
-        self.generation += 1
+        if found:  # the workers need a run set only when runs or their settings changed
+            self.generation += 1
         for name in found.removed:
             self.leaving[name] = self.tenants.pop(name)
             self._retired.pop(name, None)
