@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 from prometheus_client.registry import Collector
@@ -286,11 +287,7 @@ class MultiRun:
                 tenancy.start_chores(tenant, settings.adapter_audit_interval_s)
             await asyncio.gather(*(t.manager.rebuild() for t in added))
             await self._moved(fleet, moves, {t.name for t in added})
-
-            async def unload(tenant: Tenant) -> None:
-                await self._unload(fleet, tenant)
-
-            self._departures.follow(plan, old_keys, unload)
+            self._departures.follow(plan, old_keys, partial(self._unload, fleet))
             outcome = "applied" if plan or moves else "unchanged"
             self._count(outcome)
             log.info("runs reload (%s): %s: added %s, removed %s, key rotated %s, "
