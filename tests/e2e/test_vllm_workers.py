@@ -59,7 +59,10 @@ async def test_publish_v1_to_v10_through_two_workers(vllm_gw: E2E, tmp_path: Pat
     trainer = TrlSync(env, tmp_path / "run", FAMILY)
     state = Rollouts()
     with workers_gateway(env, tmp_path / "gateway.log") as url:
-        limits = httpx.Limits(max_connections=16)
+        # A fresh connection per rollout: SO_REUSEPORT spreads connections, not requests,
+        # and six kept-alive connections all land on one worker 1 time in 32 (a CI flake).
+        # Hundreds of connections make "both workers routed" fail only 2^-(n-1) of runs.
+        limits = httpx.Limits(max_connections=16, max_keepalive_connections=0)
         async with (
             httpx.AsyncClient(base_url=url, timeout=120) as admin,
             httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as rollouts,
