@@ -38,7 +38,7 @@ class Stub:
 
 ABLATIONS: dict[str, tuple[Stub, ...]] = {
     # the routing decision: loads, prompt key, prefix index, ring, decision metric
-    "first-candidate": (Stub("routing/selection.py", "_choose", "remaining[0]"),),
+    "first-candidate": (Stub("fleet/selection.py", "_choose", "remaining[0]"),),
     "no-metrics": tuple(
         Stub("metrics.py", name, "None")
         for name in ("record_decision", "record_request", "record_routed")

@@ -35,18 +35,20 @@ from gateway.fleet.discovery import Discovery
 from gateway.fleet.fanout import FanOut
 from gateway.fleet.health import Health
 from gateway.fleet.ledger import Ledger
+from gateway.fleet.metrics import BreakerCollector, ControlCollector, PoolCollector
 from gateway.fleet.outliers import OutlierDetector
 from gateway.fleet.preflight import check_replica, exposure_warning, replica_warning, source
 from gateway.fleet.replicas import ReplicaPool
 from gateway.fleet.retry_budget import RetryBudget
 from gateway.fleet.rotation import Rotation
+from gateway.fleet.selection import Selection
 from gateway.fleet.shared import SharedOutlierDetector, SharedRetryBudget, SharedState
 from gateway.http.server.disconnect import ClientDisconnected
 from gateway.http.upstream import Upstream, make_session, upstream_tls
 from gateway.metrics import Metrics
+from gateway.roles import ALONE, LoadsFeed, Peers, Reporter
 from gateway.routing.config import RoutingConfig
 from gateway.routing.policy import make_router
-from gateway.routing.selection import Selection
 from gateway.runs.credentials import Credentials
 from gateway.runs.fairness import FairGate
 from gateway.runs.fairshare import FairShare
@@ -54,7 +56,6 @@ from gateway.runs.lifecycle import run_table_of
 from gateway.runs.mode import mode_for
 from gateway.runs.table import Run, RunTable
 from gateway.runs.tenancy import OWN_ROUTES, RoutesSource, Tenancy
-from gateway.workers.roles import ALONE, LoadsFeed, Peers, Reporter
 
 __all__ = ["build_gateway", "create_app"]
 
@@ -85,12 +86,13 @@ def build_gateway(
     bottom up so that each part gets its collaborators when it is made.
 
     ``shared``: the fleet state the processes of ``serve --workers N`` share; the role
-    parts (``gateway.workers.roles``) are what a data-plane worker or the owner is given instead
+    parts (``gateway.roles``) are what a data-plane worker or the owner is given instead
     of a lone process's (``ALONE``): ``reporter`` and ``feed`` a worker's, ``peers`` the
     owner's, ``routes`` where rollouts read a run's adapters (a worker: the owner's
     snapshots)."""
     pool = ReplicaPool.from_settings(settings)
-    metrics = Metrics(pool)
+    metrics = Metrics()
+    metrics.watch(PoolCollector(pool))
     upstream = Upstream(
         pool,
         lambda: make_session(settings),
@@ -142,12 +144,12 @@ def build_gateway(
     mode = mode_for(tenancy.table, tenancy, settings.broadcast_timeout_s)
     metrics.watch_adapters(tenancy.managers)
     for collector in mode.collectors():
-        metrics.registry.register(collector)
+        metrics.watch(collector)
     metrics.watch_router(router)
-    metrics.watch_breakers(outliers)
+    metrics.watch(BreakerCollector(outliers))
     fleet = FanOut(settings, upstream, rotation, tenancy)
     control = FleetControl(fleet.fan_out, rotation.quorum)
-    metrics.watch_control(control)
+    metrics.watch(ControlCollector(control))
     selection = Selection(rotation, router, metrics, feed)
     credentials = Credentials(settings, tenancy)
     return Gateway(

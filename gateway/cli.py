@@ -226,7 +226,7 @@ def serve(argv: Sequence[str]) -> int:
         return 2
     configure_logging(settings.log_format, settings.log_level)
     if workers > 1:
-        from gateway.workers.processes import supervise
+        from gateway.supervisor import supervise
 
         return supervise(settings, workers)
     app = create_app(settings)

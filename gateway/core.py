@@ -19,7 +19,7 @@ part               module                        its job
 =================  ============================  ========================================
 
 A data-plane worker and the owner differ only by the role parts they were given
-(``gateway.workers.roles``).
+(``gateway.roles``).
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ from gateway.fleet.ledger import Ledger
 from gateway.fleet.outliers import BreakerState
 from gateway.fleet.replicas import ReplicaPool
 from gateway.fleet.rotation import Rotation
+from gateway.fleet.selection import Selection
 from gateway.http.upstream import Upstream
 from gateway.metrics import Metrics
+from gateway.roles import Peers
 from gateway.routing.policy import Router
-from gateway.routing.selection import Selection
 from gateway.runs.credentials import Credentials
 from gateway.runs.mode import RunMode
 from gateway.runs.tenancy import Tenancy, Tenant
-from gateway.workers.roles import Peers
 
 __all__ = ["Gateway"]
 

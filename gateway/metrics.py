@@ -8,7 +8,9 @@ several gateways can live in one process (tests) without colliding.
 Per-replica gauges (in-flight, health) are read from the pool at scrape time by a custom
 collector instead of being ``inc()``/``dec()``-ed on the hot path; so are the fleet's
 pause and the replica addresses (``gateway.fleet.metrics`` holds the fleet's collectors,
-``gateway.runs.metrics`` the per-run ones). The registry also holds prometheus-client's
+``gateway.runs.metrics`` the per-run ones). Those collectors are handed in (``watch``) by
+whoever builds the gateway, so that this module, which the fleet's parts record into,
+imports none of them. The registry also holds prometheus-client's
 process and platform collectors (``process_*``, ``python_info``), read at scrape time.
 """
 
@@ -39,14 +41,10 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from gateway import __version__
-from gateway.fleet.metrics import BreakerCollector, ControlCollector, PoolCollector
-from gateway.fleet.outliers import OutlierDetector
-from gateway.fleet.replicas import ReplicaPool
 
 if TYPE_CHECKING:
     from gateway.adapters.manager import AdapterManager
     from gateway.adapters.state import Action, Result, Settlement
-    from gateway.fleet.control import FleetControl
     from gateway.routing.policy import Decision, Router
 
 __all__ = ["CONTENT_TYPE", "Metrics", "RouteKind"]
@@ -254,7 +252,7 @@ class _RouterCollector(Collector):
 class Metrics:
     """The gateway's metrics plus ``record_*`` helpers used by the I/O shell."""
 
-    def __init__(self, pool: ReplicaPool) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._loop = _LoopMetrics()
@@ -339,7 +337,6 @@ class Metrics:
             "by the oldest live one (docs/adapters.md, 'Retired versions').",
             registry=r,
         )
-        r.register(PoolCollector(pool))
         r.register(_BuildCollector())
         # process_* (CPU, memory, fds, start time) and python_info, read from /proc at
         # scrape time only; with ``--workers N`` the merged /metrics keeps the owner's.
@@ -351,11 +348,10 @@ class Metrics:
         self._routed_children: dict[int, _LoopCounter] = {}
         self._decision_children: dict[str, _LoopCounter] = {}
 
-    def watch_control(self, control: FleetControl) -> None:
-        self.registry.register(ControlCollector(control))
-
-    def watch_breakers(self, outliers: OutlierDetector) -> None:
-        self.registry.register(BreakerCollector(outliers))
+    def watch(self, collector: Collector) -> None:
+        """Read ``collector`` at every scrape (the pool's, the breakers', the fleet's
+        control, each run's: parts above this module, made by the app)."""
+        self.registry.register(collector)
 
     def watch_router(self, router: Router) -> None:
         self.registry.register(_RouterCollector(router))

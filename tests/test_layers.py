@@ -33,25 +33,39 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
          "fleet.outliers", "fleet.retry_budget", "fleet.admission", "fleet.aborts",
          "fleet.replicas", "fleet.discovery", "runs.table", "runs.scope", "runs.usage",
          "runs.lifecycle", "runs.fairshare", "workers.merge",
-         "workers.channel", "api.cache_salt"),
+         "workers.channel", "adapters.cache_salt", "runs.aborts", "roles"),
     ),
     (
         "parts: HTTP in and out, the fleet's shared state and control calls, each run's "
         "adapters, metrics",
         ("http.*", "fleet.shared", "fleet.control", "fleet.metrics", "adapters.fanout",
          "adapters.manager", "runs.tenancy", "runs.metrics", "runs.placing", "runs.mode",
-         "metrics", "workers.roles", "fleet.rotation", "fleet.fanout", "fleet.health",
-         "fleet.ledger", "routing.selection", "runs.credentials", "runs.fairness"),
+         "metrics", "fleet.rotation", "fleet.fanout", "fleet.health",
+         "fleet.ledger", "fleet.selection", "runs.credentials", "runs.fairness"),
     ),
     ("the gateway: the parts of one process held together", ("core",)),
     ("the API: handlers, the rollout path", ("api", "api.*")),
     (
         "wiring: the app, start-up checks, the processes of --workers N",
         ("app", "fleet.preflight", "workers.owner", "workers.worker", "workers.snapshot",
-         "workers.processes"),
+         "supervisor"),
     ),
     ("entry points", ("cli", "__main__")),
 )  # fmt: skip
+
+
+# The folders (and the top-level modules, each a room of its own), bottom to top. Layers
+# cut across folders; this order makes the folders honest too: a folder imports only
+# from the ones before it, so reading the tree folder by folder never meets an import
+# that runs back up. ``gateway`` is the package's face (its version).
+FOLDERS: tuple[str, ...] = (
+    "gateway", "errors", "logs", "routing", "config", "roles", "http", "adapters", "runs",
+    "metrics", "fleet", "core", "api", "workers", "app", "supervisor", "cli", "__main__",
+)  # fmt: skip
+
+
+def folder_of(module: str) -> str:
+    return module.split(".", 1)[0]
 
 
 def module_name(path: Path) -> str:
@@ -142,6 +156,24 @@ def test_no_import_goes_up_a_layer() -> None:
             theirs = layer_of(target)
             if mine is not None and theirs is not None and theirs > mine:
                 upward.append(f"{module} (layer {mine}) imports {target} (layer {theirs})")
+    assert not upward, upward
+
+
+def test_folders_import_downward() -> None:
+    """Folder to folder, imports follow ``FOLDERS``: a part sits in the folder of its
+    band (``fleet/selection``, which reads the fleet's rotation, is not in ``routing/``,
+    whose pure cores it uses), and a lower folder names what it needs of a higher one as
+    a ``Protocol`` (``http/upstream.Addresses``, ``runs/placing.Members``)."""
+    order = {name: rank for rank, name in enumerate(FOLDERS)}
+    edges = graph()
+    unplaced = sorted({folder_of(m) for m in edges} - set(order))
+    assert not unplaced, f"place these folders in tests/test_layers.py FOLDERS: {unplaced}"
+    upward = [
+        f"{module} imports {target}"
+        for module, targets in sorted(edges.items())
+        for target in sorted(targets)
+        if order[folder_of(target)] > order[folder_of(module)]
+    ]
     assert not upward, upward
 
 

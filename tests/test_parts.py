@@ -5,7 +5,7 @@ Two rules, read off the syntax tree of every module:
 
 * no ``x.hook = ...`` for the names that were hooks (``HOOKS``) on any ``x`` but ``self``
   or ``cls``: a worker and an owner differ by what their gateway was given
-  (``gateway.workers.roles``), not by what another module assigned afterwards;
+  (``gateway.roles``), not by what another module assigned afterwards;
 * no ``x.attr = <function>`` at all (a lambda, or a method of ``self``) on anything but
   ``self`` or ``cls``, whatever the name: that is a hook by its shape.
 

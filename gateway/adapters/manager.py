@@ -62,7 +62,7 @@ from gateway.errors import (
     NotFound,
     UpstreamUnavailable,
 )
-from gateway.workers.roles import ALONE, Peers
+from gateway.roles import ALONE, Peers
 
 __all__ = ["AdapterManager", "AdapterReply"]
 

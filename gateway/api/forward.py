@@ -22,10 +22,10 @@ from gateway.api.requests import parse_json_object, request_body
 from gateway.api.responses import gateway_of
 from gateway.api.rollout import Releasing, dispatch
 from gateway.errors import BadRequest
+from gateway.fleet.selection import Plan
 from gateway.http.relay import BodyResponse
 from gateway.http.server.inbound import Inbound
 from gateway.metrics import RouteKind
-from gateway.routing.selection import Plan
 from gateway.runs.scope import own_listing
 
 if TYPE_CHECKING:

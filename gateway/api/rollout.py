@@ -1,7 +1,7 @@
 """Sending one request to one replica, and trying another when that one fails before
 any response byte (refused, reset, or aborted because it was ejected), while the retry
 budget allows. Which replicas may serve it and which one does is the routing decision's
-(``gateway.routing.selection``); what each attempt counts is the ledger's
+(``gateway.fleet.selection``); what each attempt counts is the ledger's
 (``gateway.fleet.ledger``). Streams are relayed as they arrive; nothing is retried
 after that."""
 
@@ -34,7 +34,7 @@ from gateway.runs.usage import usage_tokens
 if TYPE_CHECKING:
     from gateway.core import Gateway
     from gateway.fleet.ledger import Entry, Ledger
-    from gateway.routing.selection import Plan
+    from gateway.fleet.selection import Plan
     from gateway.runs.tenancy import Tenant
 
 

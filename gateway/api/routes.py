@@ -23,7 +23,7 @@ _ALL_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 async def metrics(request: Request) -> Response:
     gw = gateway_of(request)
-    # The owner of data-plane workers answers for the whole gateway (``gateway.workers.roles``).
+    # The owner of data-plane workers answers for the whole gateway (``gateway.roles``).
     text = await gw.peers.merged_metrics(gw.metrics.render())
     return Response(text, media_type=CONTENT_TYPE)
 

@@ -37,11 +37,11 @@ from gateway.errors import GatewayError, TooManyRequests, UpstreamError, Upstrea
 from gateway.fleet.admission import Admission, Refusal
 from gateway.fleet.retry_budget import RetryBudget
 from gateway.fleet.rotation import Rotation
+from gateway.fleet.selection import Plan, Selection
 from gateway.http.relay import broken_mid_stream
 from gateway.http.server.inbound import Inbound
 from gateway.http.upstream import ReplicaConnectError
 from gateway.metrics import Metrics, RouteKind
-from gateway.routing.selection import Plan, Selection
 from gateway.runs.credentials import Credentials
 from gateway.runs.fairness import Slot
 from gateway.runs.tenancy import Tenant

@@ -23,8 +23,8 @@ from gateway.fleet.aborts import ReplicaTasks
 from gateway.fleet.outliers import OutlierDetector, OutlierEvent
 from gateway.fleet.replicas import ReplicaPool, Transition
 from gateway.metrics import Metrics
+from gateway.roles import Reporter
 from gateway.routing.policy import Router
-from gateway.workers.roles import Reporter
 
 __all__ = ["Rotation"]
 

@@ -49,8 +49,9 @@ class RelayResponse(Response):
 
     ``ejected()`` is asked when the relay is cancelled: an error means the cancellation
     owes the client an answer (the replica was ejected, or the run paused with ``abort``:
-    ``gateway.fleet.aborts``), which ends the stream like an upstream failure, naming it;
-    None means it is the client's disconnect (or shutdown) and propagates."""
+    ``gateway.fleet.aborts``, ``gateway.runs.aborts``), which ends the stream like an
+    upstream failure, naming it; None means it is the client's disconnect (or shutdown)
+    and propagates."""
 
     def __init__(
         self,

@@ -36,7 +36,6 @@ from yarl import URL
 
 from gateway.config import Settings
 from gateway.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from gateway.fleet.replicas import ReplicaPool
 from gateway.http.h1client import H1Pool
 from gateway.http.h1response import ConnectFailed, H1Response, ResetBeforeResponse
 
@@ -223,12 +222,30 @@ def map_errors(replica: int, *, sending: bool) -> Iterator[None]:
         raise UpstreamError(f"replica {replica} failed mid-response") from exc
 
 
+class Address(Protocol):
+    """What sending needs of one replica: where it is and its credential."""
+
+    @property
+    def base_url(self) -> URL: ...
+
+    @property
+    def auth_header(self) -> str | None: ...
+
+
+class Addresses(Protocol):
+    """The replicas by index (``gateway.fleet.replicas.ReplicaPool`` is one), named here
+    so that HTTP, which the fleet's parts call, does not import the fleet. Read at every
+    send: discovery can give an index a new URL."""
+
+    def __getitem__(self, index: int) -> Address: ...
+
+
 class Upstream:
     """Sends requests to replica ``i`` of the pool with its credential attached."""
 
     def __init__(
         self,
-        pool: ReplicaPool,
+        pool: Addresses,
         make_session: Callable[[], aiohttp.ClientSession],
         *,
         connect_timeout_s: float = 5.0,

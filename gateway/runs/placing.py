@@ -18,9 +18,19 @@ from gateway.runs.table import owner_of
 
 if TYPE_CHECKING:
     from gateway.config import Settings
-    from gateway.fleet.replicas import ReplicaPool
     from gateway.http.upstream import BufferedResponse, Upstream
     from gateway.runs.tenancy import Tenancy
+
+
+class Members(Protocol):
+    """Which replicas there are and which are healthy (``gateway.fleet.replicas.
+    ReplicaPool`` is this): the runs sit below the fleet's parts and do not import them."""
+
+    def __len__(self) -> int: ...
+
+    def indices(self) -> list[int]: ...
+
+    def healthy_indices(self) -> list[int]: ...
 
 
 class RunFleet(Protocol):
@@ -29,9 +39,11 @@ class RunFleet(Protocol):
     gateway calls, does not import it."""
 
     settings: Settings
-    pool: ReplicaPool
     upstream: Upstream
     tenancy: Tenancy
+
+    @property
+    def pool(self) -> Members: ...
 
     async def fan_out(
         self, method: str, path: str, *, body: bytes | None = None, query: str = "",
@@ -39,7 +51,7 @@ class RunFleet(Protocol):
     ) -> list[BufferedResponse]: ...  # fmt: skip
 
 
-__all__ = ["RunFleet", "place_runs", "sweep", "unload_run"]
+__all__ = ["Members", "RunFleet", "place_runs", "sweep", "unload_run"]
 
 log = logging.getLogger("gateway.runs")
 

@@ -37,12 +37,12 @@ from gateway.errors import (
     Unauthorized,
     UpstreamUnavailable,
 )
-from gateway.fleet.aborts import Aborts, paused_with_abort
+from gateway.roles import ALONE, Peers
+from gateway.runs.aborts import Aborts, paused_with_abort
 from gateway.runs.fairness import FairGate, Slot
 from gateway.runs.lifecycle import RunPlan, plan, replace
 from gateway.runs.table import Run, RunTable
 from gateway.runs.usage import RunUsage
-from gateway.workers.roles import ALONE, Peers
 
 __all__ = [
     "OWN_ROUTES",
@@ -176,7 +176,7 @@ class Tenant:
 
     def abort_removed(self) -> int:
         """A reload removed the run and its grace is over: cancel its rollouts in flight,
-        each answered with a 503 (``gateway.fleet.aborts``); returns how many."""
+        each answered with a 503 (``gateway.runs.aborts``); returns how many."""
         tasks = list(self.tasks)
         for task in tasks:
             self.aborts.abort(task, removed_run(self.name))
@@ -305,7 +305,7 @@ class Tenant:
         mode = _mode(query)
         self.paused = query
         self._resumed.clear()
-        if mode == "abort":  # each answered, not dropped (``gateway.fleet.aborts``)
+        if mode == "abort":  # each answered, not dropped (``gateway.runs.aborts``)
             for task in list(self.tasks):
                 self.aborts.abort(task, paused_with_abort(self.name))
         return mode

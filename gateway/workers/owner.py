@@ -64,7 +64,7 @@ class _Link:
 
 
 class Hub:
-    """The owner's ``Peers`` (``gateway.workers.roles``): built before the owner's gateway, which
+    """The owner's ``Peers`` (``gateway.roles``): built before the owner's gateway, which
     it is handed to; it serves the workers once ``start`` hands it that gateway."""
 
     def __init__(

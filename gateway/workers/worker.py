@@ -51,7 +51,7 @@ _OWN = HOP_BY_HOP | {b"date", b"server"}  # the worker's server adds its own
 
 
 class OwnerLink:
-    """A worker's ``Reporter`` (``gateway.workers.roles``): what only this worker saw goes to the
+    """A worker's ``Reporter`` (``gateway.roles``): what only this worker saw goes to the
     owner over the channel the ``Follower`` holds, while it holds one (a report made
     while the owner restarts is dropped: the owner probes every replica anew)."""
 
@@ -186,7 +186,7 @@ async def share_loads(
 
 
 class FleetLoadsFeed:
-    """A worker's ``LoadsFeed`` (``gateway.workers.roles``): before each routing decision, hand
+    """A worker's ``LoadsFeed`` (``gateway.roles``): before each routing decision, hand
     the router the owner's newest fleet-load table, the moment it is published. Every
     worker switches tables at the same instant, so a GRPO group's samples, spread over
     workers, are placed by the same table."""

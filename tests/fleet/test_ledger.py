@@ -22,9 +22,9 @@ from gateway.core import Gateway
 from gateway.errors import TooManyRequests, Unauthorized, UpstreamError, UpstreamUnavailable
 from gateway.fleet.ledger import Entry
 from gateway.fleet.outliers import BreakerState
+from gateway.fleet.selection import Plan
 from gateway.http.upstream import ReplicaConnectError
 from gateway.metrics import RouteKind
-from gateway.routing.selection import Plan
 
 
 class FakeTask:

@@ -28,15 +28,15 @@ from typing import Any
 
 import orjson
 
+from gateway.adapters.cache_salt import check_client_salt, salted
 from gateway.adapters.naming import retired_successor
-from gateway.api.cache_salt import check_client_salt, salted
 from gateway.errors import UpstreamUnavailable
 from gateway.fleet.rotation import Rotation
 from gateway.metrics import Metrics
+from gateway.roles import LoadsFeed
 from gateway.routing.policy import CandidateLoads, Router, RouteRequest
 from gateway.runs.scope import scoped_model, unknown_model
 from gateway.runs.tenancy import AdapterRoutes, Tenant
-from gateway.workers.roles import LoadsFeed
 
 __all__ = ["Plan", "Selection"]
 

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.api.cache_salt import check_client_salt, salted
+from gateway.adapters.cache_salt import check_client_salt, salted
 from gateway.errors import BadRequest
 
 
