@@ -456,7 +456,8 @@ class Tenancy:
 
     def every(self) -> list[Tenant]:
         """The runs serving, then those a reload removed that are still leaving (draining,
-        their adapters being unloaded): what status and metrics show."""
+        their adapters being unloaded): status and metrics show both, a replica's owners and
+        the chores to stop include both."""
         return [*self.tenants.values(), *self.leaving.values()]
 
     def find(self, name: str) -> Tenant | None:
@@ -494,8 +495,7 @@ class Tenancy:
     def owners_of(self, replica: int) -> frozenset[str]:
         """Runs homed on ``replica`` (leaving ones too: their adapters are theirs until
         they are gone)."""
-        every = [*self, *self.leaving.values()]
-        return frozenset(t.name for t in every if t.serves(replica))
+        return frozenset(t.name for t in self.every() if t.serves(replica))
 
     def start_chores(self, tenant: Tenant, audit_interval_s: float) -> None:
         """Its adapter manager's ticks and audits, until ``stop_chores``."""
@@ -508,7 +508,7 @@ class Tenancy:
 
     async def stop_chores(self, tenants: Iterable[Tenant] | None = None) -> None:
         """Stop the chores of ``tenants`` (None: every run's, leaving ones included)."""
-        chosen = list(tenants) if tenants is not None else [*self, *self.leaving.values()]
+        chosen = list(tenants) if tenants is not None else self.every()
         tasks = [task for t in chosen for task in t.chores]
         for t in chosen:
             t.chores.clear()
