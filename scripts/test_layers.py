@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +59,11 @@ class Layer:
     provides: str | None = None
     bound_s: float = 1800.0
     concurrent: bool = False  # run the commands at once rather than one after another
+    floor: int | None = None
+    """A pytest layer's least number of passing tests (``FLOORS``); None for a layer that
+    runs no pytest (lint, the install). A pytest layer that skips any test, passes none, or
+    passes fewer than its floor fails even when pytest exits 0: a selection that shrank, or
+    tests that all skip, prove little."""
 
 
 LAYERS: tuple[Layer, ...] = (
@@ -155,12 +160,32 @@ LAYERS: tuple[Layer, ...] = (
     ),
 )
 
+# The floors of the pytest layers, kept beside the list: the passing tests of the last
+# green CI run, rounded down. Raise a floor when a layer gains tests; lower it only with
+# the commit that removes tests, saying why.
+FLOORS = {
+    "fast": 1100,
+    "trainer": 100,
+    "faults-workers-2": 33,
+    "container": 11,
+    "rehearsal": 7,
+    "local-e2e": 10,
+    "e2e": 13,
+    "trl": 22,
+    "trl-workers-2": 4,
+}
+LAYERS = tuple(
+    replace(layer, floor=FLOORS[layer.name]) if layer.name in FLOORS else layer for layer in LAYERS
+)
+
 # pytest's last line, with or without -q's bare form:
 # "== 3 failed, 756 passed, 2 warnings in 276.12s (0:04:36) ==" / "756 passed in 276.12s"
 FINAL = re.compile(r"^=*\s*\d+ \w+.* in [\d.]+s\b")
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 # pytest's short test summary: one line per failed test or error, its id and message head
 FAILURE = re.compile(r"^(?:FAILED|ERROR) \S+.*$", re.MULTILINE)
+# pytest's --durations lines: "12.34s call     tests/x.py::test_y"
+DURATION = re.compile(r"^([\d.]+)s (setup|call|teardown)\s+(\S+)$", re.MULTILINE)
 
 
 @dataclass
@@ -170,6 +195,8 @@ class Outcome:
     seconds: float
     counts: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    slowest: list[tuple[float, str]] = field(default_factory=list)
+    """pytest's ``--durations`` lines, slowest first: the record of where the time went."""
     """pytest's ``FAILED``/``ERROR`` lines: repeated in the summary, which is all that a
     truncated CI log keeps (a concurrent layer prints them minutes before its end)."""
 
@@ -261,11 +288,33 @@ def run_layer(layer: Layer, logs: Path) -> Outcome:
     start = time.monotonic()
     rcs, tails = run_commands(layer, logs)
     seconds = time.monotonic() - start
+    counts = pytest_counts(tails)
     if 124 in rcs:
         result = f"timed out after {layer.bound_s:.0f} s"
+    elif not all(rc == 0 for rc in rcs):
+        result = "failed"
     else:
-        result = "passed" if all(rc == 0 for rc in rcs) else "failed"
-    return Outcome(layer.name, result, seconds, pytest_counts(tails), FAILURE.findall(tails))
+        result = proved(layer, counts)
+    return Outcome(layer.name, result, seconds, counts, FAILURE.findall(tails), slowest(tails))
+
+
+def slowest(tail: str, keep: int = 10) -> list[tuple[float, str]]:
+    """The slowest test phases pytest reported (``--durations``), slowest first."""
+    found = [(float(s), f"{test} ({phase})") for s, phase, test in DURATION.findall(tail)]
+    return sorted(found, reverse=True)[:keep]
+
+
+def proved(layer: Layer, counts: dict[str, int]) -> str:
+    """A pytest layer that exited 0 passes only if it proved something: no test skipped,
+    and at least its floor of tests passed."""
+    if layer.floor is None:
+        return "passed"
+    passed = counts.get("passed", 0)
+    if counts.get("skipped", 0):
+        return f"failed: {counts['skipped']} skipped"
+    if passed == 0 or passed < layer.floor:
+        return f"failed: {passed} passed < floor {layer.floor}"
+    return "passed"
 
 
 def summary(outcomes: list[Outcome], total_s: float) -> str:
@@ -276,6 +325,10 @@ def summary(outcomes: list[Outcome], total_s: float) -> str:
         lines.append(f"{o.name:<{width}}  {o.result:<28} {o.seconds:6.0f}s  {tests}")
     for o in outcomes:
         lines.extend(f"{o.name}: {line[:200]}" for line in o.failures)
+    ranked = sorted(((s, o.name, t) for o in outcomes for s, t in o.slowest), reverse=True)
+    if ranked:
+        lines.append("slowest tests:")
+        lines.extend(f"  {s:7.1f}s  {name}: {test[:160]}" for s, name, test in ranked[:10])
     failed = [o.name for o in outcomes if not o.ok]
     verdict = f"FAILED: {', '.join(failed)}" if failed else "all passed"
     lines.append(f"total {total_s:.0f} s: {verdict}")
@@ -323,10 +376,12 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(o.seconds, 1),
             "tests": o.counts,
             "failures": o.failures,
+            "slowest": [{"seconds": s, "test": t} for s, t in o.slowest],
         }
         for o in outcomes
     ]
     args.json.write_text(json.dumps({"total_s": round(total, 1), "layers": layers}, indent=1))
+    print(f"the record of this run (per-layer and slowest-test times): {args.json}", flush=True)
     return 0 if all(o.ok for o in outcomes) else 1
 
 

@@ -192,3 +192,51 @@ def test_the_summary_repeats_each_failed_test_of_a_concurrent_layer(
     summary = capsys.readouterr().out.split("===== test layers")[-1]
     assert "both: FAILED tests/a.py::test_one - AssertionError: x" in summary
     assert "both: ERROR tests/b.py::test_two" in summary
+
+
+@pytest.mark.parametrize(
+    ("printed", "floor", "result"),
+    [
+        ("== 5 passed in 0.1s ==", 5, "passed"),
+        ("== 5 passed, 1 skipped in 0.1s ==", 5, "failed: 1 skipped"),
+        ("== 3 passed in 0.1s ==", 5, "failed: 3 passed < floor 5"),
+        ("== 4 deselected in 0.1s ==", 0, "failed: 0 passed < floor 0"),
+    ],
+)
+def test_a_pytest_layer_that_exits_0_still_fails_when_it_proved_little(
+    runner: ModuleType, tmp_path: Path, printed: str, floor: int, result: str
+) -> None:
+    layers = (runner.Layer("layer", "prints", (py(f"print({printed!r})"),), floor=floor),)
+    rc, report = run(runner, tmp_path, layers)
+    assert report["layers"][0]["result"] == result
+    assert rc == (0 if result == "passed" else 1)
+
+
+def test_a_layer_without_a_floor_is_judged_by_its_exit_code_alone(
+    runner: ModuleType, tmp_path: Path
+) -> None:
+    rc, report = run(runner, tmp_path, (runner.Layer("lint", "prints nothing", (py("pass"),)),))
+    assert (rc, report["layers"][0]["result"]) == (0, "passed")
+
+
+def test_every_pytest_layer_has_a_floor() -> None:
+    """A layer whose commands run pytest is held to a floor; the others are not."""
+    module = load_runner()
+    for layer in module.LAYERS:
+        runs_pytest = any("pytest" in argv for argv in layer.commands)
+        assert (layer.floor is not None) == runs_pytest, layer.name
+        assert layer.floor is None or layer.floor > 0, layer.name
+
+
+def test_the_record_keeps_each_layers_slowest_tests(
+    runner: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = "2.50s call     tests/a.py::test_slow\n0.10s setup    tests/a.py::test_slow\n"
+    printed = f"print({out!r}); print('== 1 passed in 2.6s ==')"
+    rc, report = run(runner, tmp_path, (runner.Layer("one", "slow", (py(printed),), floor=1),))
+    assert rc == 0
+    assert report["layers"][0]["slowest"] == [
+        {"seconds": 2.5, "test": "tests/a.py::test_slow (call)"},
+        {"seconds": 0.1, "test": "tests/a.py::test_slow (setup)"},
+    ]
+    assert "2.5s  one: tests/a.py::test_slow (call)" in capsys.readouterr().out
