@@ -7,13 +7,14 @@ VLLM_PY := $(CURDIR)/.venv-vllm/bin/python
 # The vLLM venv runs the trainer and the TRL layer from the tree (gateway, testbed, trainer).
 VLLM_PATH := $(CURDIR):$(CURDIR)/testbed
 
-.PHONY: help venv vllm tools lint test test-fast test-explore test-container image demo bench bench-soak bench-ceiling bench-trl clean
+.PHONY: help venv lock vllm tools lint test test-fast test-explore test-container image demo bench bench-soak bench-ceiling bench-trl clean
 .PHONY: bench-overhead bench-routing bench-routing-vllm bench-cores bench-workers-routing bench-instructions \
 	bench-instructions-ablations bench-train bench-adapters bench-image
 
 help:
 	@echo "make test   - install everything and run every test layer (scripts/test_layers.py --list)"
 	@echo "make demo   - async LoRA GRPO through the gateway on 2 real vLLM replicas (~4 min)"
+	@echo "make lock   - re-resolve requirements/dev.lock (the dev venv's exact packages)"
 	@echo "make test-fast - unit + integration tests only (no real vLLM, no containers)"
 	@echo "make test-explore - the property tests with fresh random examples, EXPLORE_ROUNDS (10) times over"
 	@echo "make image  - build the sidecar image as localhost/rollout-gateway:dev (podman)"
@@ -35,11 +36,17 @@ help:
 	@echo "make bench-image     - image size, start-up and drain under podman (image.*)"
 	@echo "make bench-trl     - TRL AsyncGRPOTrainer: gateway vs 1 replica vs vllm-router (~15 min)"
 
-$(STAMP): pyproject.toml testbed/pyproject.toml
+# The dev venv is the lock, exactly (`uv pip sync`): a fresh machine gets the same hypothesis,
+# ruff and mypy as the last green run. `make lock` refreshes it (docs/testing.md).
+$(STAMP): pyproject.toml testbed/pyproject.toml requirements/dev.lock
 	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
 	uv venv -q --allow-existing --python $(PY) $(VENV)
-	uv pip install -q --python $(BIN)/python -e ".[dev,bench]"
+	uv pip sync -q --python $(BIN)/python requirements/dev.lock
 	@touch $(STAMP)
+
+lock:
+	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
+	uv pip compile -q --python-version 3.11 --no-header requirements/dev.in -o requirements/dev.lock
 
 venv: $(STAMP)
 
