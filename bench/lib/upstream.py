@@ -28,6 +28,7 @@ import collections
 import re
 from collections.abc import Callable
 from functools import partial
+from typing import Any, Protocol
 
 import orjson
 import uvloop
@@ -139,15 +140,23 @@ class Upstream(asyncio.Protocol):
                 self.transport.write(RESPONSE)
 
 
+class Timers(Protocol):
+    """What ``Capacity`` needs of a clock: the running loop in the fake, a manual one in
+    its tests (``tests/bench/test_saturating.py``), so no test races a real service time."""
+
+    def call_later(self, delay: float, callback: Callable[..., object], *args: Any) -> object: ...
+
+
 class Capacity:
     """One replica's modelled capacity: ``concurrency`` slots, each held ``service_s`` per
-    request, and the FIFO queue of requests waiting for a slot (every connection's)."""
+    request, and the FIFO queue of requests waiting for a slot (every connection's).
+    ``timers`` defaults to the running loop, read at the first request."""
 
-    def __init__(self, service_s: float, concurrency: int) -> None:
+    def __init__(self, service_s: float, concurrency: int, timers: Timers | None = None) -> None:
         self.service_s = service_s
         self.free = concurrency
         self.waiting: collections.deque[Callable[[], None]] = collections.deque()
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.timers = timers
         self.served = 0
         self.max_waiting = 0
 
@@ -161,9 +170,9 @@ class Capacity:
             self.max_waiting = max(self.max_waiting, len(self.waiting))
 
     def _start(self, answer: Callable[[], None]) -> None:
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
-        self.loop.call_later(self.service_s, self._done, answer)
+        if self.timers is None:
+            self.timers = asyncio.get_running_loop()
+        self.timers.call_later(self.service_s, self._done, answer)
 
     def _done(self, answer: Callable[[], None]) -> None:
         self.served += 1

@@ -4,7 +4,9 @@ in order), and the harness's flags parse as documented."""
 
 from __future__ import annotations
 
-import asyncio
+import heapq
+import itertools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,39 +38,57 @@ def connection(capacity: Capacity) -> tuple[SaturatingUpstream, Transport]:
     return conn, transport
 
 
-def test_capacity_serves_c_at_a_time_then_in_arrival_order() -> None:
-    async def main() -> list[tuple[int, float]]:
-        loop = asyncio.get_running_loop()
-        capacity = Capacity(0.02, 2)
-        t0 = loop.time()
-        done: list[tuple[int, float]] = []
-        for i in range(5):
-            capacity.submit(lambda i=i: done.append((i, loop.time() - t0)))
-        assert capacity.free == 0 and len(capacity.waiting) == 3 and capacity.max_waiting == 3
-        await asyncio.sleep(0.09)
-        assert capacity.free == 2 and capacity.served == 5
-        return done
+class ManualTimers:
+    """``Capacity``'s clock, moved by the test: a service time passes when the test says,
+    never a real sleep that a loaded machine can overrun."""
 
-    done = asyncio.run(main())
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.due: list[tuple[float, int, Callable[..., object], tuple[Any, ...]]] = []
+        self.order = itertools.count()  # timers due at once run in the order they were set
+
+    def call_later(self, delay: float, callback: Callable[..., object], *args: Any) -> object:
+        heapq.heappush(self.due, (self.now + delay, next(self.order), callback, args))
+        return None
+
+    def advance(self, seconds: float) -> None:
+        """Run every timer due within ``seconds`` from now, in time order, at its time."""
+        until = self.now + seconds
+        while self.due and self.due[0][0] <= until + 1e-9:
+            self.now, _, callback, args = heapq.heappop(self.due)
+            callback(*args)
+        self.now = until
+
+
+def test_capacity_serves_c_at_a_time_then_in_arrival_order() -> None:
+    timers = ManualTimers()
+    capacity = Capacity(0.02, 2, timers)
+    done: list[tuple[int, float]] = []
+    for i in range(5):
+        capacity.submit(lambda i=i: done.append((i, timers.now)))
+    assert capacity.free == 0 and len(capacity.waiting) == 3 and capacity.max_waiting == 3
+    timers.advance(0.019)
+    assert done == [] and capacity.served == 0  # a slot is held its whole service time
+    timers.advance(0.1)
+    assert capacity.free == 2 and capacity.served == 5
     assert [i for i, _ in done] == [0, 1, 2, 3, 4]  # FIFO, whichever connection
     waves = [round(t / 0.02) for _, t in done]
     assert waves == [1, 1, 2, 2, 3]  # two slots: 5 requests take three service times
 
 
 def test_a_connection_answers_in_order_and_health_never_queues() -> None:
-    async def main() -> None:
-        capacity = Capacity(0.01, 1)
-        busy, _ = connection(capacity)
-        busy.data_received(REQUEST)  # takes the only slot
-        conn, transport = connection(capacity)
-        conn.data_received(HEALTH_REQUEST)
-        assert transport.written == [HEALTH]  # at once, no slot needed
-        conn.data_received(REQUEST + HEALTH_REQUEST)  # the health check waits its turn
-        assert transport.written == [HEALTH]
-        await asyncio.sleep(0.05)
-        assert transport.written == [HEALTH, RESPONSE, HEALTH]
-
-    asyncio.run(main())
+    timers = ManualTimers()
+    capacity = Capacity(0.01, 1, timers)
+    busy, _ = connection(capacity)
+    busy.data_received(REQUEST)  # takes the only slot
+    conn, transport = connection(capacity)
+    conn.data_received(HEALTH_REQUEST)
+    assert transport.written == [HEALTH]  # at once, no slot needed
+    conn.data_received(REQUEST + HEALTH_REQUEST)  # the health check waits its turn
+    timers.advance(0.01)  # the busy request's service time: the slot passes on
+    assert transport.written == [HEALTH]
+    timers.advance(0.01)
+    assert transport.written == [HEALTH, RESPONSE, HEALTH]
 
 
 def test_cores_parses_the_saturating_mode_and_variants() -> None:
