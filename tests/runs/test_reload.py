@@ -26,7 +26,7 @@ from gateway.config import load_settings
 from gateway.core import Gateway
 from gateway.runs.tenancy import Tenant
 from tests.cluster import SimReplica, sims
-from tests.eventually import eventually
+from tests.eventually import STALL_S, eventually
 from tests.runs.test_many_runs import COMPLETION, load
 
 ADMIN = "admin-secret"
@@ -258,7 +258,10 @@ async def test_a_larger_budget_places_the_run_that_did_not_fit(tmp_path: Path) -
 
 
 async def test_a_rotated_key_works_for_its_overlap_then_stops(tmp_path: Path) -> None:
-    a = spec(tmp_path, "run-a", key_overlap_s=1.0)
+    # The overlap outlasts two stalls of a loaded machine (STALL_S) between the reload's
+    # answer and the old key's first use, so the first check cannot race the expiry.
+    overlap_s = 2 * STALL_S
+    a = spec(tmp_path, "run-a", key_overlap_s=overlap_s)
     async with live(tmp_path, [a]) as g:
         g.write([{**a, "key": "key-run-a-2"}])
         r = await g.reload()
@@ -270,7 +273,8 @@ async def test_a_rotated_key_works_for_its_overlap_then_stops(tmp_path: Path) ->
             async def refused() -> bool:
                 return (await old.get("/v1/models")).status_code == 401
 
-            await eventually(refused, "the old key refused after its overlap", timeout=5)
+            await eventually(refused, "the old key refused after its overlap",
+                             timeout=overlap_s + STALL_S)  # fmt: skip
             assert (await new.get("/v1/models")).status_code == 200
 
 
