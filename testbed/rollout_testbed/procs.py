@@ -60,25 +60,60 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # --- ports ------------------------------------------------------------------------------
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out as a client's source port."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+class _Ports:
+    """Ports for servers the tests start, chosen below the kernel's ephemeral range.
+
+    Why not ``bind(0)``: the kernel picks that port from the ephemeral range, the same range
+    it draws every client connection's source port from; between the probe's close and the
+    server's bind, any connection on the machine (this test's own clients, the other pytest
+    process of the fast layer) can take it. Ports below that range are never drawn for
+    source ports. Each process walks its own sequence from a start set by its pid and never
+    hands a port out twice, so two processes meet only after each has used thousands."""
+
+    LOW = 10000
+
+    def __init__(self) -> None:
+        self.high = max(self.LOW + 1000, _ephemeral_low())
+        span = self.high - self.LOW
+        self.next = self.LOW + (os.getpid() * 7919) % span
+        self.given: set[int] = set()
+
+    def take(self, host: str) -> int:
+        span = self.high - self.LOW
+        for _ in range(span):
+            port = self.next
+            self.next = self.LOW + (self.next - self.LOW + 1) % span
+            if port in self.given:
+                continue
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((host, port))
+            except OSError:
+                continue
+            self.given.add(port)
+            return port
+        raise RuntimeError(f"no free port on {host} in {self.LOW}..{self.high}")
+
+
+_PORTS = _Ports()
+
+
 def free_port(host: str = LOCAL) -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on ``host`` right now, below the ephemeral range (``_Ports``)."""
+    return _PORTS.take(host)
 
 
 def free_ports(n: int, host: str = LOCAL) -> list[int]:
-    """``n`` distinct ports free on ``host`` right now (all held open while choosing)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct ports free on ``host`` right now."""
+    return [_PORTS.take(host) for _ in range(n)]
 
 
 def free_port_on(*hosts: str, attempts: int = 50) -> int:
