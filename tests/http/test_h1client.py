@@ -247,7 +247,7 @@ async def test_refused_connect_is_connect_failure() -> None:
         pass  # closed: nothing listens on the port any more
     with pytest.raises(ConnectFailed) as info:
         await pool_for(port).request(HEAD, b"{}")
-    assert info.value.kind == "connect"
+    assert info.value.kind == "refused"  # named for what it is (``gateway.http.failures``)
 
 
 async def test_silent_replica_times_out() -> None:
@@ -334,14 +334,17 @@ async def test_a_closed_connection_is_freed_by_reference_counting() -> None:
 async def test_large_bodies_sized_and_streamed() -> None:
     """Back-pressure pauses a stream the reader lags behind, never a ``read()``."""
     big = bytes(range(256)) * (3 * 4096)  # 3 MiB
+    streaming = asyncio.Event()  # the client took the stream's first chunk
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(big) + big)
         await writer.drain()
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-        for i in range(0, len(big), 65536):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\n%s\r\n" % big[:1])
+        await writer.drain()
+        await streaming.wait()
+        for i in range(1, len(big), 65536):
             part = big[i : i + 65536]
             writer.write(b"%x\r\n%s\r\n" % (len(part), part))
         writer.write(b"0\r\n\r\n")
@@ -351,14 +354,20 @@ async def test_large_bodies_sized_and_streamed() -> None:
     async with server(handler) as (port, _):
         pool = pool_for(port)
         sized = await pool.request(HEAD, b"{}")
-        assert await asyncio.wait_for(sized.read(), 10) == big
+        (conn,) = pool._open
+        assert await asyncio.wait_for(sized.read(), 10) == big  # 3 MiB read whole
+        assert not conn.paused
         sized.release()
         stream = await pool.request(HEAD, b"{}")
-        await asyncio.sleep(0.2)  # let the server get ahead of us
-        received = bytearray()
-        async for chunk in stream.content.iter_any():
+        chunks = stream.content.iter_any()
+        received = bytearray(await asyncio.wait_for(anext(chunks), 10))
+        streaming.set()
+        # The server sends 3 MiB to a reader that reads nothing: the stream pauses reading.
+        await eventually(lambda: conn.paused, "the lagging stream paused its connection")
+        async for chunk in chunks:
             received += chunk
         assert bytes(received) == big
+        assert not conn.paused  # read to the end: reading resumed
         stream.release()
         assert len(pool._idle) == 1
         pool.close()
