@@ -116,6 +116,8 @@ class Tenant:
     paused: str | None = None
     """The query string of the scoped ``/pause`` in effect, or None."""
     in_flight: int = 0
+    holding: int = 0
+    """Its rollouts waiting at the gateway for the run's ``/resume`` (``held``)."""
     requests: int = 0
     usage: RunUsage = field(default_factory=RunUsage)
     """Tokens, answers and held time, for a cost split (``gateway.runs.usage``)."""
@@ -282,10 +284,12 @@ class Tenant:
         if self.paused is None:
             return
         started = time.monotonic()
+        self.holding += 1
         try:
             while self.paused is not None:
                 await self._resumed.wait()
         finally:
+            self.holding -= 1
             self.usage.held_s += time.monotonic() - started
 
     async def pause(self, query: str, timeout: float) -> None:

@@ -72,17 +72,23 @@ async def test_pause_abort_answers_running_and_held_rollouts(tmp_path: Path) -> 
         await eventually(lambda: c.sim(0).running + c.sim(1).running == 0,
                          "the replicas' generations cancelled")  # fmt: skip
 
+        served = c.sim(0).stats.requests_by_model.total() + c.sim(1).stats.requests_by_model.total()
         retry = asyncio.ensure_future(a.post("/v1/completions", json=SHORT))
-        await eventually(lambda: tenant.in_flight == 1, "the retry admitted")
-        await asyncio.sleep(0.2)
-        assert not retry.done()  # what TRL's retry meets: held until the run's /resume
+        # what TRL's retry meets: held at the gateway until the run's /resume
+        await eventually(lambda: tenant.holding == 1, "the retry held at the gateway")
+        assert not retry.done()
+        assert (
+            served
+            == c.sim(0).stats.requests_by_model.total() + c.sim(1).stats.requests_by_model.total()
+        )
         assert (await a.post("/resume")).status_code == 200
         assert (await asyncio.wait_for(retry, 5)).status_code == 200
 
 
 async def test_an_aborted_rollout_leaves_its_connection_usable(tmp_path: Path) -> None:
     """The 503 is a whole response on a kept-alive connection: the next request on the
-    same socket is served."""
+    same socket is served (the same TCP connection: the client's address is compared, and
+    the pool holds one connection at most)."""
     limits = httpx.Limits(max_connections=1)
     async with shared(tmp_path, sim_config=SLOW) as c:
         auth = ("run-a", "key-run-a")
@@ -91,7 +97,11 @@ async def test_an_aborted_rollout_leaves_its_connection_usable(tmp_path: Path) -
             running = asyncio.ensure_future(a.post("/v1/completions", json=LONG))
             await eventually(lambda: tenant.in_flight == 1, "the rollout running")
             tenant.hold("mode=abort")  # as a data-plane worker applies the owner's pause
-            _is_abort_answer(await asyncio.wait_for(running, 5))
+            aborted = await asyncio.wait_for(running, 5)
+            _is_abort_answer(aborted)
             tenant.resume()
             r = await a.post("/v1/completions", json=SHORT)
             assert r.status_code == 200
+            sockets = [x.extensions["network_stream"].get_extra_info("client_addr")
+                       for x in (aborted, r)]  # fmt: skip
+            assert sockets[0] is not None and sockets[0] == sockets[1], sockets  # not a new one
