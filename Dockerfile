@@ -64,11 +64,12 @@ ENV PATH=/opt/gateway/bin:$PATH \
     GATEWAY_LOG_FORMAT=json
 USER 10001:10001
 EXPOSE 8000
-# Liveness of the process, not readiness of the fleet: /metrics answers whenever the
-# gateway's event loop does, while /health is 503 until every replica is up, and a sidecar
-# must not be restarted because a replica is down (Kubernetes probes: deploy/k8s). It
-# probes the address PID 1 (or its workers) actually listens on, read from /proc: the
-# port may come from a flag (container arguments), GATEWAY_PORT or the YAML file alike.
+# Liveness of the process, not readiness of the fleet: /livez answers whenever the
+# gateway's event loop does, while /readyz (and /health) is 503 until every replica is up
+# and during a SIGTERM drain, and a sidecar must not be restarted because a replica is down
+# (Kubernetes probes: deploy/k8s). It probes the address PID 1 (or its workers) actually
+# listens on, read from /proc: the port may come from a flag (container arguments),
+# GATEWAY_PORT or the YAML file alike.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
     CMD ["python", "-I", "-m", "gateway.http.liveness"]
 STOPSIGNAL SIGTERM

@@ -231,7 +231,7 @@ def serve(argv: Sequence[str]) -> int:
         return supervise(settings, workers)
     app = create_app(settings)
     sock = serving.listen_socket(settings.host, settings.port)
-    started = serving.serve(app, sock, lean=app.serve,
+    started = serving.serve(app, sock, lean=app.serve, stopping=app.stopping,
                             shutdown_timeout_s=settings.shutdown_timeout_s)  # fmt: skip
     return 0 if started else 3
 

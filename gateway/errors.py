@@ -13,6 +13,7 @@ the same envelope vLLM's OpenAI server uses, so clients parse one shape either w
     ├── HeadersTooLarge               431 header bytes/count above the limits
     ├── TooManyRequests               429 admission limits
     ├── InsufficientSlots             507 a run that does not fit the replicas' LoRA budget
+    ├── ShuttingDown                  503 SIGTERM came: in-flight work drains, new work refused
     └── UpstreamError                 (status 502)
         ├── UpstreamUnavailable       503 no healthy replica / all retries refused
         ├── UpstreamTimeout           504 replica did not answer in time
@@ -37,6 +38,7 @@ __all__ = [
     "MethodNotAllowed",
     "NotFound",
     "PayloadTooLarge",
+    "ShuttingDown",
     "TooManyRequests",
     "Unauthorized",
     "UpstreamError",
@@ -138,6 +140,14 @@ class InsufficientSlots(GatewayError):
 
     status = 507
     err_type = "InsufficientStorage"
+
+
+class ShuttingDown(GatewayError):
+    """The gateway itself is stopping, not its replicas: a retry elsewhere (another pod, or
+    this one's successor) will do."""
+
+    status = 503
+    err_type = "ServiceUnavailable"
 
 
 class UpstreamError(GatewayError):

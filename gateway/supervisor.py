@@ -41,7 +41,7 @@ from gateway.api import FastPath
 from gateway.app import build_gateway, create_app
 from gateway.config import Settings, current_runs
 from gateway.fleet.shared import SharedState
-from gateway.http.server.serving import listen_socket, serve
+from gateway.http.server.serving import Stopping, listen_socket, serve
 from gateway.runs.mode import WorkerRuns
 from gateway.workers.owner import Hub, SyncBeforeAnswer
 from gateway.workers.snapshot import SnapshotFeed
@@ -178,9 +178,11 @@ def _child(parent: int, target: Callable[..., None], *args: object) -> None:
     target(*args)
 
 
-def _serve(app: object, sock: socket.socket, settings: Settings, lean: bool) -> None:
+def _serve(app: object, sock: socket.socket, settings: Settings, lean: bool,
+           stopping: Stopping) -> None:  # fmt: skip
     handler = app.serve if lean and isinstance(app, FastPath) else None
-    if not serve(app, sock, lean=handler, shutdown_timeout_s=settings.shutdown_timeout_s):
+    if not serve(app, sock, lean=handler, shutdown_timeout_s=settings.shutdown_timeout_s,
+                 stopping=stopping):  # fmt: skip
         os._exit(3)
 
 
@@ -204,7 +206,7 @@ def _owner_main(settings: Settings, shared: SharedState, workers: int, rundir: P
     sock.bind(str(rundir / _OWNER))
     os.chmod(rundir / _OWNER, 0o600)
     sock.listen(1024)  # workers' requests queue while the owner starts up
-    _serve(SyncBeforeAnswer(app, hub), sock, settings, lean=False)
+    _serve(SyncBeforeAnswer(app, hub), sock, settings, lean=False, stopping=app.stopping)
 
 
 def _worker_main(
@@ -249,4 +251,5 @@ def _worker_main(
     )
     inner.state.gateway = gw
     sock = listen_socket(settings.host, port, reuse_port=True)
-    _serve(FastPath(inner), sock, settings, lean=True)
+    fast = FastPath(inner)
+    _serve(fast, sock, settings, lean=True, stopping=fast.stopping)

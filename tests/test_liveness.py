@@ -25,7 +25,7 @@ if sys.argv[1] == "parent":
     sys.exit(child.wait())
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200 if self.path == "/metrics" else 404); self.end_headers()
+        self.send_response(200 if self.path == "/livez" else 404); self.end_headers()
     def log_message(self, *a): pass
 family = __import__("socket").AF_INET6 if ":" in sys.argv[2] else __import__("socket").AF_INET
 http.server.HTTPServer.address_family = family

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.auth import require_tenant
+from gateway.api.probes import fleet_ready
 from gateway.api.requests import header, request_id_for
 from gateway.api.responses import gateway_of, json_response, relay_buffered
 from gateway.errors import UpstreamUnavailable
@@ -25,14 +26,8 @@ log = logging.getLogger("gateway.api")
 
 async def health(request: Request) -> Response:
     """FAN-IN: 200 (empty, like vLLM) only when enough replicas are up."""
-    gw = gateway_of(request)
-    down = [r.index for r in gw.pool.replicas if not r.up]
-    up = len(gw.pool) - len(down)
-    if up >= gw.rotation.min_healthy() and up > 0:
-        return Response(status_code=200)
-    raise UpstreamUnavailable(
-        f"{up}/{len(gw.pool)} replicas healthy; down: {down}", headers={"Retry-After": "2"}
-    )
+    fleet_ready(gateway_of(request))  # ``/readyz`` adds the drain to this rule
+    return Response(status_code=200)
 
 
 def _home_replicas(gw: Gateway, tenant: Tenant) -> list[int] | None:

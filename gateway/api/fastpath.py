@@ -13,15 +13,17 @@ from starlette.datastructures import State
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.api.probes import PROBES, probe
 from gateway.api.requests import check_body_size, check_headers, read_body
 from gateway.api.responses import error_response
 from gateway.api.rollout import dispatch, plan_rollout
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, ShuttingDown
 from gateway.http.relay import RelayResponse
 from gateway.http.server.disconnect import ClientDisconnected
 from gateway.http.server.exchange import AsgiExchange, Exchange
 from gateway.http.server.h1server import ROUTED_PATHS
 from gateway.http.server.inbound import Inbound
+from gateway.http.server.serving import Stopping
 from gateway.metrics import RouteKind
 
 if TYPE_CHECKING:
@@ -47,9 +49,12 @@ class FastPath:
     handlers map them.
     """
 
-    def __init__(self, app: Starlette) -> None:
+    def __init__(self, app: Starlette, stopping: Stopping | None = None) -> None:
         self.app = app
         self.gateway: Gateway = app.state.gateway
+        self.stopping = stopping if stopping is not None else Stopping()
+        """Set by the server on SIGTERM (``serve(..., stopping=app.stopping)``): from
+        then on new work is refused with 503 and ``/readyz`` is 503."""
 
     @property
     def state(self) -> State:
@@ -59,11 +64,17 @@ class FastPath:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["path"] in PROBES:  # this process's own answer (``gateway.api.probes``)
+            await probe(self.gateway, self.stopping, scope["method"], scope["path"])(
+                scope, receive, send
+            )
+            return
         if scope["method"] == "POST" and scope["path"] in ROUTED_PATHS:
             await self.serve(AsgiExchange(scope, receive, send))
             return
         try:
             check_headers(scope["headers"], self.gateway.settings)
+            self._admit(scope["path"])
         except GatewayError as exc:
             await self._refuse(exc)(scope, receive, send)
             return
@@ -99,6 +110,7 @@ class FastPath:
         started = time.perf_counter()
         try:
             check_headers(inbound.headers, gw.settings)
+            self._admit(inbound.path)
             entry = gw.ledger.enter(inbound, RouteKind.ROUTED)
         except GatewayError as exc:
             return self._refuse(exc, started), None
@@ -139,6 +151,14 @@ class FastPath:
             gw.ledger.exit(entry)
             raise
 
+    def _admit(self, path: str) -> None:
+        """While the process drains (``Stopping``), new work is refused: what is in flight
+        finishes, and a client retries on a gateway that stays. Observers still answer
+        (the probes, ``/health`` for TRL, ``/metrics`` and ``/gateway/status``)."""
+        if self.stopping.stopping and path not in _OBSERVERS:
+            raise ShuttingDown("The gateway is shutting down: requests in flight finish, "
+                               "new ones are refused.", headers={"Retry-After": "2"})  # fmt: skip
+
     def _refuse(self, exc: GatewayError, started: float | None = None) -> Response:
         """The error answer; a rollout's (``started``: when it arrived) is counted in the
         request metrics like any other answer (``dispatch`` counts the ones a replica
@@ -150,6 +170,9 @@ class FastPath:
             metrics.record_request(RouteKind.ROUTED, exc.status, time.perf_counter() - started)
         return error_response(exc)
 
+
+_OBSERVERS = frozenset({"/health", "/metrics", "/gateway/status"})
+"""Paths that still answer while the process drains (``FastPath._admit``)."""
 
 # What a whole response sent the ASGI way reads of its scope.
 _SCOPE: Scope = {"type": "http"}

@@ -3,15 +3,15 @@
 
 ``python -I -m gateway.http.liveness [--pid N]``: exit 0 when every TCP address that
 process N (default 1: the container's ENTRYPOINT) or one of its descendants listens on
-answers ``GET /metrics`` with 200 within 2 s; 1 otherwise.
+answers ``GET /livez`` with 200 within 2 s; 1 otherwise.
 
 Why read the kernel's socket table instead of ``GATEWAY_PORT``: the port may come from a
 flag (extra container arguments, which a ``docker exec``'d check never sees), from the
 environment, from the YAML file, or be 0; only the listening socket knows. It also works
 on a read-only root (nothing is written anywhere) and under ``serve --workers N``, whose
-workers are children of PID 1. ``/metrics``, not ``/health``: this is liveness of the
-process; ``/health`` is 503 while a replica is down, and restarting the sidecar for that
-would fix nothing.
+workers are children of PID 1. ``/livez``, not ``/readyz`` or ``/health``: this is
+liveness of the process (``gateway.api.probes``); those are 503 while a replica is down or
+the gateway drains, and restarting the sidecar for that would fix nothing.
 
 Standard library only and nothing else of the gateway: it runs every few seconds.
 """
@@ -26,7 +26,10 @@ import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["listening_urls", "main", "process_tree"]
+__all__ = ["PATH", "listening_urls", "main", "process_tree"]
+
+PATH = "/livez"
+"""What it asks: ``gateway.api.probes``' liveness (this module imports nothing of it)."""
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
 _TIMEOUT_S = 2.0
@@ -110,7 +113,7 @@ def listening_urls(root: int = 1, proc: Path = Path("/proc")) -> list[str]:
 
 def _answers(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=_TIMEOUT_S) as response:
+        with urllib.request.urlopen(url + PATH, timeout=_TIMEOUT_S) as response:
             return bool(response.status == 200)
     except (OSError, ValueError):
         return False
@@ -119,7 +122,7 @@ def _answers(url: str) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gateway.http.liveness",
-        description="Exit 0 if the gateway under PID answers GET /metrics on every TCP "
+        description="Exit 0 if the gateway under PID answers GET /livez on every TCP "
         "address it listens on (the image's HEALTHCHECK).",
     )
     parser.add_argument("--pid", type=int, default=1, help="root of the process tree (1)")
@@ -131,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     failed = [u for u in urls if not _answers(u)]
     for url in failed:
-        print(f"liveness: {url}/metrics does not answer 200", file=sys.stderr)
+        print(f"liveness: {url}{PATH} does not answer 200", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -65,14 +65,14 @@ def test_played_spec_is_the_manifests_own() -> None:
 def test_pod_serves_a_completion_and_an_adapter_load(pod: kube.Pod) -> None:
     seen: list[tuple[int, str]] = []
 
-    def healthy() -> bool:  # the startupProbe's check: /health 200
-        seen.append(pod.request("GET", "/health"))
+    def healthy() -> bool:  # the startupProbe's check: /readyz 200
+        seen.append(pod.request("GET", "/readyz"))
         return seen[-1][0] == 200
 
     def dump() -> None:
         print(seen[-1:], podman("logs", pod.gateway, check=False).stderr[-2000:])
 
-    eventually_sync(healthy, "the pod's /health 200", timeout=90, interval=0.5, on_timeout=dump)
+    eventually_sync(healthy, "the pod's /readyz 200", timeout=90, interval=0.5, on_timeout=dump)
     status, text = pod.request("GET", "/v1/models")
     assert status == 200, text
     model = json.loads(text)["data"][0]["id"]

@@ -118,8 +118,9 @@ def test_k8s_wiring() -> None:
     assert int(port) == svc["spec"]["ports"][0]["port"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert probe in gw, probe
-    assert gw["startupProbe"]["httpGet"]["path"] == "/health"
-    assert "tcpSocket" in gw["livenessProbe"]  # never restart the sidecar for a bad replica
+    assert gw["startupProbe"]["httpGet"]["path"] == "/readyz"
+    # never restart the sidecar for a bad replica (tests/test_probes.py runs these paths)
+    assert gw["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert int(env["GATEWAY_SHUTDOWN_TIMEOUT_S"]) < pod["terminationGracePeriodSeconds"]
     # The adapter volume: one claim, mounted at the same path in trainer, gateway, vLLM.
     vllm = sts["spec"]["template"]["spec"]["containers"][0]

@@ -83,11 +83,11 @@ def test_the_played_replicas_are_the_manifest_plus_the_cpu_overlay() -> None:
 def test_pod_serves_a_completion_and_an_adapter_load(pod: kube.Pod, vllm_image: str) -> None:
     seen: list[tuple[int, str]] = []
 
-    def healthy() -> bool:  # the gateway's startupProbe: /health 200 = both replicas up
+    def healthy() -> bool:  # the gateway's startupProbe: /readyz 200 = both replicas up
         for c in ("vllm-0", "vllm-1"):  # a replica that crashed will not come up: say so now
             if pod.restarts(c):
                 raise AssertionError(f"{c} crashed at start:\n{pod.logs(c)[-4000:]}")
-        seen.append(pod.request("GET", "/health"))
+        seen.append(pod.request("GET", "/readyz"))
         return seen[-1][0] == 200
 
     def dump() -> None:
@@ -95,7 +95,7 @@ def test_pod_serves_a_completion_and_an_adapter_load(pod: kube.Pod, vllm_image: 
         for c in ("rollout-gateway", "vllm-0", "vllm-1"):
             print(f"--- {c}\n{pod.logs(c)[-2500:]}")
 
-    eventually_sync(healthy, "the pod's /health 200 (2 real vLLM CPU replicas)",
+    eventually_sync(healthy, "the pod's /readyz 200 (2 real vLLM CPU replicas)",
                     timeout=REPLICAS_UP_S, interval=1.0, on_timeout=dump)  # fmt: skip
     status, text = pod.request("GET", "/v1/models")
     assert status == 200, text

@@ -182,13 +182,17 @@ async def test_a_flooding_runs_groups_wait_for_their_own_prefix_replica(tmp_path
             if len(home) == 2:
                 break
         assert sorted(home) == [0, 1]
-        # Both slots taken by long rollouts; then two groups of 4, interleaved, all held.
-        # 3 s each: the groups are all held before either ends, whatever the machine's stalls
-        blockers = [asyncio.ensure_future(rollout([9, i, 9], max_tokens=60)) for i in (1, 2)]
-        await eventually(lambda: c.sim(0).running == c.sim(1).running == 1, "both slots taken")
+        # Both slots taken by rollouts each replica holds until the test lets them go (a
+        # marker, not a duration); then two groups of 4, interleaved, all held.
+        for i in (0, 1):
+            c.sim(i).faults.completion_hang = 1
+        blockers = [asyncio.ensure_future(rollout([9, i, 9])) for i in (1, 2)]
+        await eventually(lambda: c.sim(0).hanging == c.sim(1).hanging == 1, "both slots taken")
         groups = {r: [asyncio.ensure_future(rollout(home[r])) for _ in range(4)] for r in (0, 1)}
         order = [t for pair in zip(groups[0], groups[1], strict=True) for t in pair]
         await eventually(lambda: fair(c, "flood")["waiting"] == 8, "both groups held")
+        for i in (0, 1):
+            c.sim(i).clear_faults()  # the blockers go on; then the held groups
         await asyncio.wait_for(asyncio.gather(*blockers, *order), 30)
         for r, tasks in groups.items():
             assert [t.result() for t in tasks] == [r] * 4, (r, [t.result() for t in tasks])

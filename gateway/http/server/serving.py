@@ -2,6 +2,12 @@
 that exits 0 after draining on SIGTERM, and ``serve``, the one way every gateway process
 (one process, the owner, each worker) runs its app.
 
+SIGTERM, in two phases (``ReadinessDrain``), so that Kubernetes can take the pod out of its
+Services before it goes: first the listener stays open, ``Stopping`` is set (``/readyz``
+answers 503, ``/livez`` still 200, new work is refused with 503) until no request is in
+flight; then uvicorn's own shutdown closes the listener with what is left of
+``shutdown_timeout_s``. The two phases together never take longer than that timeout.
+
 uvicorn does not set ``TCP_NODELAY`` on accepted connections, and it writes a response's
 headers and body in two ``send`` calls. When the request carried no body (``POST /pause``,
 ``POST /resume``), the client has nothing to piggy-back its ACK on and delays it (40 ms on
@@ -12,8 +18,11 @@ option from the listening socket, so setting it here fixes every connection.
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import math
 import socket
+import time
 from typing import Any
 
 import uvicorn
@@ -22,7 +31,54 @@ from gateway.http.server.exchange import Handler
 from gateway.http.server.h1server import lean_protocol
 from gateway.http.server.uvicorn_private import DrainingServer
 
-__all__ = ["listen_socket", "serve"]
+__all__ = ["Stopping", "listen_socket", "serve"]
+
+
+class Stopping:
+    """Whether this process was told to stop (SIGTERM/SIGINT) and is draining: set by the
+    server when the signal arrives, read by ``/readyz`` (503 from then on) and by
+    admission (new work refused with 503 while in-flight requests finish). One per
+    process; ``/livez`` does not read it: the process is alive until it exits."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        """``time.monotonic()`` when the stop began; None while serving."""
+
+    @property
+    def stopping(self) -> bool:
+        return self.since is not None
+
+    def begin(self, now: float) -> None:
+        if self.since is None:
+            self.since = now
+
+
+class ReadinessDrain(DrainingServer):
+    """``DrainingServer`` whose drain begins with the listener still open (module
+    docstring): a readiness probe that can no longer connect reads "not ready" too, but a
+    liveness probe would read "dead", and a client that connects in the seconds before
+    Kubernetes has removed the pod from its endpoints would get a refused connection
+    instead of a 503 it can retry."""
+
+    def __init__(self, config: uvicorn.Config, stopping: Stopping) -> None:
+        super().__init__(config)
+        self.stopping = stopping
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        timeout = self.config.timeout_graceful_shutdown
+        deadline = loop.time() + (math.inf if timeout is None else timeout)
+        self.stopping.begin(time.monotonic())
+        # Requests in flight (probes among them last a millisecond); idle kept-alive
+        # connections are not waited for: uvicorn's shutdown closes them. Polled, as
+        # uvicorn polls the same set: no event says it became empty.
+        while loop.time() < deadline and not self.force_exit:
+            if not self.server_state.tasks:
+                break
+            await asyncio.sleep(0.1)
+        if timeout is not None:
+            self.config.timeout_graceful_shutdown = max(0, math.ceil(deadline - loop.time()))
+        await super().shutdown(sockets)
 
 
 def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
@@ -40,10 +96,14 @@ def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.s
     return sock
 
 
-def serve(app: Any, sock: socket.socket, *, lean: Handler | None, shutdown_timeout_s: int) -> bool:
+def serve(
+    app: Any, sock: socket.socket, *, lean: Handler | None, shutdown_timeout_s: int,
+    stopping: Stopping,
+) -> bool:  # fmt: skip
     """Run ``app`` on ``sock`` until SIGTERM/SIGINT and the drain; False if it never
     started. ``lean``: the handler ROUTED requests go to on the lean server
-    (``FastPath.serve``); None serves every connection with uvicorn's httptools."""
+    (``FastPath.serve``); None serves every connection with uvicorn's httptools.
+    ``stopping``: set when the drain begins (the app's probes and admission read it)."""
     # Fewer, cheaper collections on the hot path: take everything built so far out of the
     # GC's reach and collect the young generation less often (per-request garbage is
     # short-lived and mostly freed by reference counting).
@@ -59,6 +119,6 @@ def serve(app: Any, sock: socket.socket, *, lean: Handler | None, shutdown_timeo
         log_config=None,
         timeout_graceful_shutdown=shutdown_timeout_s,
     )
-    server = DrainingServer(config)
+    server = ReadinessDrain(config, stopping)
     server.run(sockets=[sock])
     return bool(server.started)

@@ -226,6 +226,7 @@ class SimState:
         self.stats = SimStats()
         self.running = 0
         self.waiting = 0
+        self.hanging = 0  # completions held by ``completion_hang``: a test's marker
         self.abort_epoch = 0
         self.paused = False
         self._next_lora_id = 1
@@ -380,7 +381,11 @@ class SimState:
             raise SimError(f"Simulated failure (HTTP {status})", status, err_type)
         fire, f.completion_hang = Faults.take(f.completion_hang)
         if fire:
-            await self._hang_release.wait()
+            self.hanging += 1
+            try:
+                await self._hang_release.wait()
+            finally:
+                self.hanging -= 1
 
     def plan(
         self,
