@@ -130,6 +130,14 @@ def _serve_parser() -> argparse.ArgumentParser:
     add("--config", metavar="FILE", help="YAML file with any of these settings")
     add("--log-format", choices=["text", "json"], help="log line format (default text)")
     add("--log-level", help="logging level (default INFO)")
+    add(
+        "--request-id-header",
+        dest="request_id_headers",
+        action="append",
+        metavar="NAME",
+        help="read the client's request id from header NAME, first present wins "
+        "(repeatable; default x-request-id)",
+    )
     add("--health-interval-s", type=float, help="active health probe period (default 2)")
     add("--health-timeout-s", type=float, help="timeout of one health probe (default 2)")
     add("--unhealthy-threshold", type=int, help="failed probes before ejection (default 2)")

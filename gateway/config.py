@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -219,6 +220,13 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="stdlib logging level."
     )
+    request_id_headers: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["x-request-id"],
+        min_length=1,
+        description="Request headers a client's request id is read from, the first present "
+        "and sane one wins (else the gateway makes one); it is sent to replicas and answered "
+        "as X-Request-Id, and tags every log line of the request.",
+    )
     router: Literal["prefix", "least_loaded", "round_robin", "random"] = Field(
         "prefix", description="Routing policy: prefix, least_loaded, round_robin or random."
     )
@@ -364,6 +372,18 @@ class Settings(BaseSettings):
     @classmethod
     def _upper_level(cls, value: Any) -> Any:
         return value.upper() if isinstance(value, str) else value
+
+    @field_validator("request_id_headers", mode="before")
+    @classmethod
+    def _check_request_id_headers(cls, value: Any) -> Any:
+        names = value.split(",") if isinstance(value, str) else value
+        if not isinstance(names, list):
+            return names
+        names = [n.strip().lower() if isinstance(n, str) else n for n in names]
+        for name in names:
+            if not isinstance(name, str) or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9a-z-]+", name):
+                raise ValueError(f"request_id_headers: {name!r} is not a header name")
+        return names
 
     @field_validator("routing", mode="before")
     @classmethod

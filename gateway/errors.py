@@ -55,18 +55,21 @@ def error_body(
     err_type: str | None = None,
     param: str | None = None,
     code: int | str | None = None,
+    request_id: str | None = None,
 ) -> bytes:
-    """Serialize one OpenAI-style error envelope."""
-    return orjson.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": err_type or HTTPStatus(status).phrase.replace(" ", ""),
-                "param": param,
-                "code": code if code is not None else status,
-            }
-        }
-    )
+    """Serialize one OpenAI-style error envelope. ``request_id``: the request's id (also
+    its ``X-Request-Id`` response header) as a top-level ``request_id`` beside ``error``,
+    so an error a client pastes into a ticket leads to the gateway's log lines about it;
+    the ``error`` object stays exactly vLLM's (clients ignore the extra key)."""
+    error = {
+        "message": message,
+        "type": err_type or HTTPStatus(status).phrase.replace(" ", ""),
+        "param": param,
+        "code": code if code is not None else status,
+    }
+    if request_id is None:
+        return orjson.dumps({"error": error})
+    return orjson.dumps({"error": error, "request_id": request_id})
 
 
 class GatewayError(Exception):
@@ -90,8 +93,9 @@ class GatewayError(Exception):
         self.limit = limit
         """Set when a configured limit refused the request (the rejection metric's label)."""
 
-    def body(self) -> bytes:
-        return error_body(self.message, self.status, err_type=self.err_type, param=self.param)
+    def body(self, request_id: str | None = None) -> bytes:
+        return error_body(self.message, self.status, err_type=self.err_type, param=self.param,
+                          request_id=request_id)  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
         result: dict[str, Any] = orjson.loads(self.body())

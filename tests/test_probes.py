@@ -25,6 +25,7 @@ import pytest
 import yaml
 from rollout_testbed.procs import free_port, wait_http
 
+from gateway.config import Settings
 from gateway.http import liveness
 from tests.deploy._proc import REPO, base_env, process, sim_replica
 from tests.deploy.test_compose_overlay import load as load_compose
@@ -135,3 +136,24 @@ def test_the_shipped_probes_name_endpoints_that_answer(tmp_path: Path) -> None:
             eventually_sync(lambda: _status(url + "/readyz") == 200, "/readyz 200")
             for path in sorted(paths):  # the kubelet: 200-399 is a pass
                 assert 200 <= _status(url + path) < 400, path
+
+
+def test_grace_periods_outlast_the_drain() -> None:
+    """Every shipped stop lets the drain finish: the orchestrator's grace is above the
+    drain the gateway is given there (its own setting, else the default), or the drain
+    ends in SIGKILL (docs/operations.md, "Graceful shutdown")."""
+    default = Settings.model_fields["shutdown_timeout_s"].default
+    docs = yaml.safe_load_all((REPO / "deploy/k8s/trainer-job.yaml").read_text())
+    (job,) = [d for d in docs if d and d.get("kind") == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    (gw,) = [c for c in pod["initContainers"] if c["name"] == GATEWAY_CONTAINER]
+    env = {e["name"]: e.get("value") for e in gw["env"]}
+    assert (
+        int(env.get("GATEWAY_SHUTDOWN_TIMEOUT_S", default)) < pod["terminationGracePeriodSeconds"]
+    )
+    compose = load_compose("compose.yaml")["services"]["gateway"]
+    drain = int(compose.get("environment", {}).get("GATEWAY_SHUTDOWN_TIMEOUT_S", default))
+    assert drain < int(str(compose["stop_grace_period"]).removesuffix("s"))
+    for doc in ("README.md", "docs/operations.md"):
+        stops = re.findall(r"--stop-timeout (\d+)", (REPO / doc).read_text())
+        assert stops and all(int(s) > default for s in stops), (doc, stops)

@@ -62,6 +62,7 @@ from gateway.errors import (
     NotFound,
     UpstreamUnavailable,
 )
+from gateway.http.upstream import ReplicaConnectError
 from gateway.roles import ALONE, Peers
 
 __all__ = ["AdapterManager", "AdapterReply"]
@@ -187,11 +188,13 @@ class AdapterManager:
                 name,
                 replica_list(settled.replicas),
                 settled.seconds,
+                extra={"event": "adapter_live", "adapter": name},
             )
             message = f"Success: LoRA adapter '{name}' added successfully."
             return AdapterReply(200, TEXT, message.encode())
         error = load_error(settled, path, self.policy.load_deadline_s, replaced)
-        log.warning("adapter %s not loaded: %s", name, error.message)
+        log.warning("adapter %s not loaded: %s", name, error.message,
+                    extra={"event": "adapter_load_failed", "adapter": name})  # fmt: skip
         raise error
 
     async def unload(self, body: Mapping[str, Any]) -> AdapterReply:
@@ -267,7 +270,10 @@ class AdapterManager:
                 adapters = [a for a in adapters if self._owns(a.name)]
             return adapters, bases
         except (GatewayError, orjson.JSONDecodeError, TypeError, AttributeError) as exc:
-            log.info("replica %d: cannot read /v1/models (%s)", replica, exc)
+            kind = exc.kind if isinstance(exc, ReplicaConnectError) else None
+            log.info("replica %d: cannot read /v1/models (%s)", replica, exc,
+                     extra={"event": "models_unreadable", "replica": replica,
+                            "kind": kind})  # fmt: skip
             return None
 
     def _synced(self, replica: int) -> bool:

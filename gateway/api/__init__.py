@@ -12,6 +12,8 @@ path                                       kind        behaviour
                                                        adapters present everywhere
 anything else                              FORWARDED   one healthy replica (least loaded);
                                                        a run: its homes, its names only
+/livez, /readyz                            GATEWAY     this process's probes: alive; ready to
+                                                       take work (``gateway.api.probes``)
 /metrics, /gateway/status                  GATEWAY     the gateway's own
 /gateway/runs/reload                       GATEWAY     the admin key: reload the run set
 =========================================  ==========  ==========================================

@@ -18,7 +18,8 @@ from starlette.responses import Response
 
 from gateway.adapters.manager import AdapterReply
 from gateway.api.auth import require_admin
-from gateway.api.requests import header, parse_json_object, request_body, request_id_for
+from gateway.api.requests import parse_json_object, request_body
+from gateway.api.requests import request_id as current_request_id
 from gateway.api.responses import gateway_of, json_response, relay_buffered
 from gateway.errors import GatewayError
 from gateway.fleet.control import PAUSE, RESET, RESUME
@@ -65,7 +66,7 @@ async def _fleet_call(request: Request, tenant: Tenant, replicas: list[int] | No
     path = request.url.path
     endpoint = path.rsplit("/", 1)[-1]
     query = request.scope.get("query_string", b"").decode("latin-1")
-    request_id = request_id_for(header(request, b"x-request-id"))
+    request_id = current_request_id()
     headers = request_headers(request.scope["headers"], request_id)
     try:
         first, tally = await gw.control.broadcast(

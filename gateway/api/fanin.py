@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from gateway.api.auth import require_tenant
 from gateway.api.probes import fleet_ready
-from gateway.api.requests import header, request_id_for
+from gateway.api.requests import request_id
 from gateway.api.responses import gateway_of, json_response, relay_buffered
 from gateway.errors import UpstreamUnavailable
 
@@ -58,7 +58,7 @@ async def server_info(request: Request) -> Response:
     try:
         infos = [orjson.loads(r.content) for r in results]
     except orjson.JSONDecodeError:
-        return relay_buffered(results[0], request_id_for(header(request, b"x-request-id")))
+        return relay_buffered(results[0], request_id())
     info = infos[0]
     vllm_config = info.get("vllm_config") if isinstance(info, dict) else None
     if isinstance(vllm_config, dict):

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.probes import PROBES, probe
-from gateway.api.requests import check_body_size, check_headers, read_body
+from gateway.api.requests import assign_request_id, check_body_size, check_headers, read_body
 from gateway.api.responses import error_response
 from gateway.api.rollout import dispatch, plan_rollout
 from gateway.errors import GatewayError, ShuttingDown
@@ -52,6 +52,8 @@ class FastPath:
     def __init__(self, app: Starlette, stopping: Stopping | None = None) -> None:
         self.app = app
         self.gateway: Gateway = app.state.gateway
+        names = self.gateway.settings.request_id_headers
+        self._id_headers = tuple(h.encode("latin-1") for h in names)
         self.stopping = stopping if stopping is not None else Stopping()
         """Set by the server on SIGTERM (``serve(..., stopping=app.stopping)``): from
         then on new work is refused with 503 and ``/readyz`` is 503."""
@@ -64,6 +66,8 @@ class FastPath:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["method"] != "POST" or scope["path"] not in ROUTED_PATHS:  # respond's own
+            assign_request_id(dict(scope["headers"]).get, self._id_headers)
         if scope["path"] in PROBES:  # this process's own answer (``gateway.api.probes``)
             await probe(self.gateway, self.stopping, scope["method"], scope["path"])(
                 scope, receive, send
@@ -108,6 +112,7 @@ class FastPath:
         to ``exit`` once it is sent (None: refused before it was admitted)."""
         gw = self.gateway
         started = time.perf_counter()
+        assign_request_id(inbound.header, self._id_headers)
         try:
             check_headers(inbound.headers, gw.settings)
             self._admit(inbound.path)

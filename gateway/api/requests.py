@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -37,7 +37,9 @@ def header(request: Request, name: bytes) -> bytes | None:
     return table.get(name)
 
 
-_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
+# A client's id is taken when it is printable ASCII without space, '"' or backslash, at most
+# 128 bytes: it goes into every log line and upstream header of the request.
+_REQUEST_ID = re.compile(rb"[!#-\[\]-~]{1,128}")
 _ID_PREFIX = os.urandom(8).hex()
 _ID_COUNTER = itertools.count()
 
@@ -146,16 +148,32 @@ def check_generation(path: str, payload: Mapping[str, Any], settings: Settings) 
         raise BadRequest("'prompt' must be a string, token ids, or a list of them.", param="prompt")
 
 
-def request_id_for(given: bytes | None) -> str:
-    """The client's ``X-Request-Id`` (``given``) if it is sane, else a new one; also tags
-    the logs.
+def assign_request_id(header: Callable[[bytes], bytes | None], names: Sequence[bytes]) -> str:
+    """The request's id, set for the logs (``REQUEST_ID``) as the request arrives: the
+    value of the first of the ``request_id_headers`` (``names``, lower-case) the client
+    sent with a sane value, else a new one. ``header``: a lookup by lower-case name.
 
     New ids are a random per-process prefix plus a counter: unique across gateways and
     restarts without a ``getrandom`` syscall per request."""
-    request_id = given.decode("ascii") if given and _REQUEST_ID.match(given) else None
-    request_id = request_id or f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+    for name in names:
+        given = header(name)
+        if given is not None and _REQUEST_ID.fullmatch(given):
+            request_id = given.decode("ascii")
+            break
+    else:
+        request_id = f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
     REQUEST_ID.set(request_id)
     return request_id
+
+
+def request_id() -> str:
+    """The id ``assign_request_id`` gave the request being served (a new one if none
+    did): sent upstream as ``X-Request-Id`` and answered in the same header."""
+    return REQUEST_ID.get() or assign_request_id(_absent, ())
+
+
+def _absent(name: bytes) -> None:
+    return None
 
 
 def session_key(inbound: Inbound, payload: Mapping[str, Any]) -> str | None:

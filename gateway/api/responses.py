@@ -15,6 +15,7 @@ from gateway.http.upstream import (
     BufferedResponse,
     response_headers,
 )
+from gateway.logs import REQUEST_ID
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
@@ -35,7 +36,15 @@ def json_response(
 
 
 def error_response(exc: GatewayError) -> Response:
-    return Response(exc.body(), status_code=exc.status, media_type=_JSON, headers=exc.headers)
+    """The error as OpenAI-style JSON; inside a request (``REQUEST_ID`` set), its id in
+    the body (``error.request_id``) and in ``X-Request-Id``, as on any answer."""
+    request_id = REQUEST_ID.get()
+    if request_id is None:
+        return Response(exc.body(), status_code=exc.status, media_type=_JSON,
+                        headers=exc.headers)  # fmt: skip
+    headers = {**exc.headers, "x-request-id": request_id}
+    return Response(exc.body(request_id), status_code=exc.status, media_type=_JSON,
+                    headers=headers)  # fmt: skip
 
 
 def relay_buffered(result: BufferedResponse, request_id: str) -> Response:

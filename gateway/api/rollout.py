@@ -15,8 +15,10 @@ from starlette.types import Receive, Scope, Send
 from gateway.api.requests import (
     check_generation,
     parse_json_object,
-    request_id_for,
     session_key,
+)
+from gateway.api.requests import (
+    request_id as current_request_id,
 )
 from gateway.http.relay import BodyResponse, RelayResponse
 from gateway.http.server.inbound import Inbound
@@ -44,7 +46,7 @@ async def dispatch(inbound: Inbound, gw: Gateway, entry: Entry, plan: Plan) -> R
     rollout (multi-run mode): the answer in its own names, and its tokens counted
     (``gateway.runs.usage``)."""
     ledger = gw.ledger
-    request_id = request_id_for(inbound.header(b"x-request-id"))
+    request_id = current_request_id()
     lean = entry.kind is RouteKind.ROUTED  # POST, JSON in and out: the h1client path
     head = request_head_lines(inbound.headers, request_id) if lean else b""
     headers = [] if lean else request_headers(inbound.headers, request_id)

@@ -62,7 +62,7 @@ class Health:
                 index, "GET", "/health", timeout=self._settings.health_timeout_s
             )
         except ReplicaConnectError as exc:
-            if exc.kind == "connect":  # refused: as conclusive as on a request
+            if exc.conclusive:  # refused, DNS, TLS: as conclusive as on a request
                 self._rotation.on_connect_failure(index, exc.kind)
             return False
         except GatewayError:
@@ -112,7 +112,9 @@ class Health:
             return
         await self._mode.sweep(self._fleet, index)
         self._pool.admit(index)
-        log.info("replica %d (%s) is healthy; admitted", index, self._pool[index].display)
+        log.info("replica %d (%s) is healthy; admitted", index, self._pool[index].display,
+                 extra={"event": "replica_admitted", "replica": index,
+                        "replica_url": self._pool[index].display})  # fmt: skip
 
     async def loop(self) -> None:
         while True:

@@ -29,11 +29,18 @@ No call here awaits: a book is never half-kept across a suspension.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import GatewayError, TooManyRequests, UpstreamError, UpstreamUnavailable
+from gateway.errors import (
+    GatewayError,
+    TooManyRequests,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from gateway.fleet.admission import Admission, Refusal
 from gateway.fleet.retry_budget import RetryBudget
 from gateway.fleet.rotation import Rotation
@@ -47,6 +54,8 @@ from gateway.runs.fairness import Slot
 from gateway.runs.tenancy import Tenant
 
 __all__ = ["Entry", "Ledger"]
+
+log = logging.getLogger("gateway.requests")
 
 
 @dataclass(slots=True, eq=False)
@@ -167,15 +176,27 @@ class Ledger:
         self._rotation.outliers.abandoned(index)
         self._release(entry)
         if isinstance(exc, ReplicaConnectError):
+            self._log_failure(entry, index, exc.kind, "before any answer; retryable")
             self._rotation.on_connect_failure(index, exc.kind)
         elif ejected:
             self._metrics.aborted.inc()
         else:
             if isinstance(exc, UpstreamError):  # timeout, or broken mid-body
+                kind = "timeout" if isinstance(exc, UpstreamTimeout) else "broken"
+                self._log_failure(entry, index, kind, "after it was sent; not retried")
                 self._rotation.record_status(index, exc.status)
             return False
         entry.retrying = True
         return True
+
+    def _log_failure(self, entry: Entry, index: int, kind: str, when: str) -> None:
+        """One line per failed attempt, tagged with the request's id (the log's context):
+        the line an on-call finds from the ``request_id`` of a client's error."""
+        url = self._pool[index].display
+        run = entry.counted.name if entry.counted is not None else None
+        log.warning("replica %d (%s) failed a request %s: %s", index, url, when, kind,
+                    extra={"event": "upstream_failed", "kind": kind, "replica": index,
+                           "replica_url": url, "run": run})  # fmt: skip
 
     def answered(self, entry: Entry, status: int) -> None:
         entry.status = status

@@ -95,17 +95,23 @@ class Rotation:
             self._metrics.ejections.labels(str(index), "outlier").inc()
             reopen_at = self.outliers.breaker(index).reopen_at
             log.warning("replica %d (%s) ejected for %.1f s: HTTP %d errors in a row",
-                        index, self.pool[index].display, reopen_at - self.clock(),
-                        status)  # fmt: skip
+                        index, self.pool[index].display, reopen_at - self.clock(), status,
+                        extra={"event": "replica_ejected", "kind": "outlier",
+                               "status": status, "replica": index,
+                               "replica_url": self.pool[index].display})  # fmt: skip
         elif event is OutlierEvent.RESTORED:
             log.info("replica %d (%s) answered its trial request; breaker closed",
-                     index, self.pool[index].display)  # fmt: skip
+                     index, self.pool[index].display,
+                     extra={"event": "breaker_closed", "replica": index,
+                            "replica_url": self.pool[index].display})  # fmt: skip
 
     def on_connect_failure(self, index: int, kind: str) -> None:
         self._metrics.upstream_errors.labels(str(index), kind).inc()
         if self.pool.record_connect_failure(index) is Transition.EJECTED:
             self._metrics.ejections.labels(str(index), "passive").inc()
-            log.warning("replica %d (%s) ejected: %s", index, self.pool[index].display, kind)
+            log.warning("replica %d (%s) ejected: %s", index, self.pool[index].display, kind,
+                        extra={"event": "replica_ejected", "kind": kind, "replica": index,
+                               "replica_url": self.pool[index].display})  # fmt: skip
             self.out_of_rotation(index)
             self._reporter.report({"op": "connect_failure", "replica": index, "kind": kind})
 

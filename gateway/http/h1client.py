@@ -22,9 +22,10 @@ end of a response never reach it (the response stands, the connection is closed)
 
 Errors, mapped by ``Upstream.send_routed`` the way ``upstream.map_errors`` maps aiohttp's:
 
-* ``ConnectFailed`` (refused, connect timeout) and ``ResetBeforeResponse`` (the
-  connection died before any response byte, e.g. a stale keep-alive connection): the
-  replica produced nothing, so retrying elsewhere is safe (``ReplicaConnectError``);
+* ``ConnectFailed`` (DNS, refused, TLS, connect timeout: ``gateway.http.failures``) and
+  ``ResetBeforeResponse`` (the connection died before any response byte, e.g. a stale
+  keep-alive connection): the replica produced nothing, so retrying elsewhere is safe
+  (``ReplicaConnectError``);
 * ``TimeoutError``: no byte for ``read_timeout_s`` (``UpstreamTimeout``);
 * ``BrokenResponse`` (a ``ConnectionError``): lost or unparsable after the first response
   byte; ``read()`` and ``content.iter_any()`` raise it (``UpstreamError``).
@@ -40,6 +41,7 @@ import time
 
 import httptools
 
+from gateway.http.failures import connect_kind
 from gateway.http.h1response import BrokenResponse, ConnectFailed, H1Response, ResetBeforeResponse
 
 __all__ = ["H1Pool"]
@@ -374,9 +376,10 @@ class H1Pool:
         except TimeoutError as exc:
             self.discard(conn)
             raise ConnectFailed("connect_timeout", f"connect to {self.host}:{self.port}") from exc
-        except OSError as exc:
+        except OSError as exc:  # ssl.SSLError and socket.gaierror are OSErrors too
             self.discard(conn)
-            raise ConnectFailed("connect", f"connect to {self.host}:{self.port}: {exc}") from exc
+            kind = connect_kind(exc)
+            raise ConnectFailed(kind, f"connect to {self.host}:{self.port}: {exc}") from exc
         except BaseException:
             self.discard(conn)
             raise

@@ -29,7 +29,7 @@ class Connection(Protocol):
 
 
 class ConnectFailed(OSError):
-    """No connection could be opened; ``kind`` is ``connect`` or ``connect_timeout``."""
+    """No connection could be opened; ``kind`` says why (``gateway.http.failures``)."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(detail)

@@ -17,7 +17,8 @@ Header hygiene (RFC 9110 §7.6.1): hop-by-hop headers (and any named in ``Connec
 replica's own credential is added instead. ``X-Request-Id`` is propagated.
 
 Errors. Every aiohttp failure is mapped once, here, to ``gateway.errors``. A failure before
-the response headers arrived (refused, reset, a stale keep-alive connection) is a
+the response headers arrived (DNS, refused, TLS, reset, a stale keep-alive connection,
+each named by ``gateway.http.failures``) is a
 ``ReplicaConnectError``: the only kind that is safe to retry on another replica, because
 the replica produced nothing the client could have seen.
 """
@@ -36,6 +37,7 @@ from yarl import URL
 
 from gateway.config import Settings
 from gateway.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from gateway.http.failures import CONCLUSIVE, connect_kind
 from gateway.http.h1client import H1Pool
 from gateway.http.h1response import ConnectFailed, H1Response, ResetBeforeResponse
 
@@ -75,12 +77,19 @@ _URL_CACHE_LIMIT = 4096
 
 
 class ReplicaConnectError(UpstreamUnavailable):
-    """The replica failed before sending any response byte; retrying elsewhere is safe."""
+    """The replica failed before sending any response byte; retrying elsewhere is safe.
+    ``kind``: what the failure was (``gateway.http.failures``)."""
 
     def __init__(self, replica: int, kind: str) -> None:
         super().__init__(f"replica {replica} is unreachable ({kind})")
         self.replica = replica
         self.kind = kind
+
+    @property
+    def conclusive(self) -> bool:
+        """The replica cannot be reached at all (down, unresolvable, TLS refused), not
+        merely slow to connect or unlucky with one connection."""
+        return self.kind in CONCLUSIVE
 
 
 class _Chunks(Protocol):
@@ -214,8 +223,10 @@ def map_errors(replica: int, *, sending: bool) -> Iterator[None]:
         raise ReplicaConnectError(replica, "connect_timeout") from exc
     except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
         raise UpstreamTimeout(f"replica {replica} did not answer in time") from exc
+    except aiohttp.ClientSSLError as exc:  # certificate or handshake: no os_error to read
+        raise ReplicaConnectError(replica, "tls") from exc
     except aiohttp.ClientConnectorError as exc:
-        raise ReplicaConnectError(replica, "connect") from exc
+        raise ReplicaConnectError(replica, connect_kind(exc)) from exc
     except (aiohttp.ClientError, ConnectionError) as exc:
         if sending and not isinstance(exc, aiohttp.ClientResponseError):
             raise ReplicaConnectError(replica, "reset") from exc

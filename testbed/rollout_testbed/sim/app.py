@@ -69,6 +69,13 @@ async def _require_json(request: Request) -> None:
         )
 
 
+def _base_request_id(request: Request) -> str:
+    """vLLM's ``OpenAIServing._base_request_id``: the client's ``X-Request-Id`` is the
+    engine's request id, so a completion's ``id`` is ``cmpl-<X-Request-Id>`` (which is how
+    a test sees the id the gateway sent)."""
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
 def _validation_message(errors: list[Any]) -> str:
     if not errors:
         return "Validation error"
@@ -223,7 +230,7 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         limits = _check_sampling(state, prompts, req.n, req.max_tokens, num_top, "logprobs")
         name, gen = await start(req.model, prompts, req.n, limits, req.seed, num_top,
                                 req.cache_salt)  # fmt: skip
-        meta = R.Meta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), name, cfg)
+        meta = R.Meta(f"cmpl-{_base_request_id(request)}", int(time.time()), name, cfg)
         if req.stream:
             return stream(lambda: R.completion_chunks(gen, req, meta))
         if not await _drain_or_abort(request, gen):
@@ -241,7 +248,7 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         n = req.n if req.n is not None else 1
         limits = _check_sampling(state, prompts, n, max_tokens, num_top, "top_logprobs")
         name, gen = await start(req.model, prompts, n, limits, req.seed, num_top, req.cache_salt)
-        meta = R.Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), name, cfg)
+        meta = R.Meta(f"chatcmpl-{_base_request_id(request)}", int(time.time()), name, cfg)
         if req.stream:
             return stream(lambda: R.chat_chunks(gen, req, meta))
         if not await _drain_or_abort(request, gen):
