@@ -91,7 +91,7 @@ def build_gateway(
     owner's, ``routes`` where rollouts read a run's adapters (a worker: the owner's
     snapshots)."""
     pool = ReplicaPool.from_settings(settings)
-    metrics = Metrics()
+    metrics = Metrics(pool.indices)
     metrics.watch(PoolCollector(pool))
     upstream = Upstream(
         pool,
@@ -146,7 +146,7 @@ def build_gateway(
     for collector in mode.collectors():
         metrics.watch(collector)
     metrics.watch_router(router)
-    metrics.watch(BreakerCollector(outliers))
+    metrics.watch(BreakerCollector(outliers, pool))
     fleet = FanOut(settings, upstream, rotation, tenancy)
     control = FleetControl(fleet.fan_out, rotation.quorum)
     metrics.watch(ControlCollector(control))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import platform
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -41,13 +41,23 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from gateway import __version__
+from gateway.adapters.state import Failure, Outcome
 
 if TYPE_CHECKING:
     from gateway.adapters.manager import AdapterManager
     from gateway.adapters.state import Action, Result, Settlement
     from gateway.routing.policy import Decision, Router
 
-__all__ = ["CONTENT_TYPE", "Metrics", "RouteKind"]
+__all__ = [
+    "ADMISSION_REFUSALS",
+    "CONTENT_TYPE",
+    "CONTROL_CALLS",
+    "STATUS_CLASSES",
+    "UPSTREAM_ERROR_KINDS",
+    "Metrics",
+    "ProbeResult",
+    "RouteKind",
+]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -68,6 +78,35 @@ class RouteKind(StrEnum):
     FAN_IN = "fan_in"
     FORWARDED = "forwarded"
     GATEWAY = "gateway"
+
+
+class ProbeResult(StrEnum):
+    """One health probe's result (``gateway_health_probes_total``)."""
+
+    OK = "ok"  # /health answered 200
+    UNHEALTHY = "unhealthy"  # another status (the engine died, still loading), or broken off
+    TIMEOUT = "timeout"  # no answer within health_timeout_s (a hung replica)
+    UNREACHABLE = "unreachable"  # no connection (refused, DNS, TLS, reset: the log says)
+
+
+# Born at zero. Prometheus' increase() and rate() see a counter rise only from a sample it
+# has already scraped: a series whose first sample is 1 (the first failure) is invisible
+# to them, and an alert on "any failure in 10 minutes" never fires for the only failure a
+# trainer makes before it stops. So every series that an alert of
+# deploy/prometheus/alerts.yml selects is exported at 0 from the start, for every value of
+# its labels: the closed sets below (and the enums they come from), each replica of the
+# pool, each configured run (``gateway.runs.metrics``). tests/deploy/test_prometheus.py
+# scrapes a started gateway for each alert's series (docs/alerts.md, "Born at zero").
+STATUS_CLASSES = ("2xx", "4xx", "5xx")
+CONTROL_CALLS = ("pause", "resume", "reset_prefix_cache")  # gateway_broadcasts_total endpoints
+ADMISSION_REFUSALS = ("in_flight", "client_in_flight")  # gateway.fleet.admission.Refusal
+# ``gateway.http.failures`` names them: the connection failures, and ``timeout`` and
+# ``ejected`` of a control call that got no answer (``Rotation.lost``). A kind not listed
+# is still counted, from its first failure on.
+UPSTREAM_ERROR_KINDS = (
+    "dns", "refused", "unreachable", "tls", "connect_timeout", "reset", "connect", "timeout",
+    "ejected",
+)  # fmt: skip
 
 
 class _LoopCounter:
@@ -151,6 +190,48 @@ class _LoopMetrics(Collector):
         )
         self._histogram(decision_seconds, [], self.decision_seconds)
         yield from (requests, seconds, routed, decisions, decision_seconds)
+
+
+class _ReplicaCounter:
+    """A counter per replica and one more label, each series at 0 from the start for every
+    member of the pool and every value of ``values`` (see "Born at zero"); rendered by
+    ``_ReplicaCounters`` at scrape time, updated from the event loop only. A removed
+    replica's series stay: its last counts are part of every window that saw them."""
+
+    def __init__(self, name: str, doc: str, label: str, values: Sequence[str]) -> None:
+        self.name, self.doc, self.label, self.values = name, doc, label, tuple(values)
+        self._counts: dict[tuple[str, str], _LoopCounter] = {}
+
+    def labels(self, replica: str, value: str) -> _LoopCounter:
+        counter = self._counts.get((replica, value))
+        if counter is None:
+            counter = self._counts[(replica, value)] = _LoopCounter()
+        return counter
+
+    def family(self, members: Iterable[int]) -> CounterMetricFamily:
+        for index in members:
+            for value in self.values:
+                self.labels(str(index), value)
+        family = CounterMetricFamily(self.name, self.doc, labels=["replica", self.label])
+        for (replica, value), counter in sorted(self._counts.items()):
+            family.add_metric([replica, value], counter.value)
+        return family
+
+
+class _ReplicaCounters(Collector):
+    """The per-replica counters, over the pool's members at each scrape (so a replica
+    that discovery adds is at 0 from the first scrape that knows it)."""
+
+    def __init__(
+        self, members: Callable[[], Iterable[int]], counters: Sequence[_ReplicaCounter]
+    ) -> None:
+        self._members = members
+        self._counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        members = list(self._members())
+        for counter in self._counters:
+            yield counter.family(members)
 
 
 class _BuildCollector(Collector):
@@ -252,17 +333,29 @@ class _RouterCollector(Collector):
 class Metrics:
     """The gateway's metrics plus ``record_*`` helpers used by the I/O shell."""
 
-    def __init__(self) -> None:
+    def __init__(self, members: Callable[[], Iterable[int]]) -> None:
+        """``members``: the pool's replica indices now, read at each scrape: every
+        per-replica counter has a series at 0 for each of them ("Born at zero")."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._loop = _LoopMetrics()
         r.register(self._loop)
-        self.upstream_errors = Counter(
-            "gateway_upstream_errors_total",
-            "Upstream failures by replica and kind (connect, timeout, protocol).",
-            ["replica", "kind"],
-            registry=r,
+        self.upstream_errors = _ReplicaCounter(
+            "gateway_upstream_errors",
+            "Failed requests and control calls to a replica, by kind (refused, dns, tls, "
+            "connect_timeout, reset, timeout, ...); health probes count in "
+            "gateway_health_probes_total instead.",
+            "kind",
+            UPSTREAM_ERROR_KINDS,
         )
+        self.health_probes = _ReplicaCounter(
+            "gateway_health_probes",
+            "Active /health probes of each replica, by result (ok, unhealthy, timeout, "
+            "unreachable).",
+            "result",
+            tuple(ProbeResult),
+        )
+        r.register(_ReplicaCounters(members, (self.upstream_errors, self.health_probes)))
         self.retries = Counter(
             "gateway_upstream_retries_total",
             "Requests re-sent to another replica before any response byte arrived.",
@@ -347,6 +440,23 @@ class Metrics:
         ] = {}
         self._routed_children: dict[int, _LoopCounter] = {}
         self._decision_children: dict[str, _LoopCounter] = {}
+        self._born_at_zero()
+
+    def _born_at_zero(self) -> None:
+        """Every series an alert selects, at 0 before its first event ("Born at zero")."""
+        for route in RouteKind:
+            for status_class in STATUS_CLASSES:
+                self._loop.requests.setdefault((route.value, status_class), _LoopCounter())
+        for outcome in ("ok", *Failure):
+            self.adapter_loads.labels(outcome)
+        self.adapter_load_seconds.labels("ok")
+        for result in Outcome:
+            self.adapter_unloads.labels(result.value)
+        for endpoint in CONTROL_CALLS:
+            for outcome in ("ok", "failed"):
+                self.broadcasts.labels(endpoint, outcome)
+        for reason in ADMISSION_REFUSALS:
+            self.rejected.labels(reason)
 
     def watch(self, collector: Collector) -> None:
         """Read ``collector`` at every scrape (the pool's, the breakers', the fleet's
@@ -371,7 +481,8 @@ class Metrics:
         self.registry.register(_AdapterCollector(managers))
 
     def record_adapter_settlement(self, settled: Settlement) -> None:
-        outcome = "ok" if settled.ok else str(settled.failure or "failed")
+        # A failure without a cause is a refusal, as the registry counts it (``_settle``).
+        outcome = "ok" if settled.ok else (settled.failure or Failure.REJECTED).value
         self.adapter_loads.labels(outcome).inc()
         self.adapter_load_seconds.labels(outcome).observe(settled.seconds)
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import platform
+import re
 import time
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +24,23 @@ from prometheus_client.parser import text_string_to_metric_families
 from rollout_testbed.procs import sim_fleet
 from rollout_testbed.serve import serve_asgi
 
+import gateway as gateway_package
 from gateway import __version__
 from gateway.app import build_gateway, create_app
 from gateway.config import ReplicaSpec, load_settings
 from gateway.core import Gateway
-from gateway.fleet.control import PAUSE, RESUME, FleetControl
+from gateway.fleet.admission import Refusal
+from gateway.fleet.control import PAUSE, RESET, RESUME, FleetControl
 from gateway.fleet.metrics import replica_address
 from gateway.fleet.replicas import Replica
 from gateway.http.upstream import BufferedResponse
+from gateway.metrics import ADMISSION_REFUSALS, CONTROL_CALLS, UPSTREAM_ERROR_KINDS, ProbeResult
 from gateway.workers.merge import merge_expositions
 from tests.cluster import cluster, sims
 from tests.conftest import UPSTREAM_TOKEN
 from tests.eventually import eventually
 
+HTTP = Path(gateway_package.__file__).parent / "http"
 PASSWORDS = ("pw-TESTSECRET-static-0", "pw-TESTSECRET-file-1", "pw-TESTSECRET-file-2")
 REPLICA_TOKEN = "tok-TESTSECRET-replica-5Kd1"
 PROCESS_FAMILIES = (
@@ -264,3 +270,64 @@ async def test_with_two_workers_every_scrape_shows_the_owners_pause(tmp_path: Pa
             for text in await _scrapes(f.url):
                 assert value(text, "gateway_fleet_paused") == 0
                 assert value(text, "gateway_fleet_paused_since_seconds") == 0
+
+
+# ------------------------------------------- health probes: their own series (issue 34)
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of family ``name`` whose labels include ``labels``."""
+    found = families(text).get(name)
+    samples = found.samples if found is not None else []
+    return sum(s.value for s in samples if labels.items() <= s.labels.items())
+
+
+@pytest.mark.timeout(180)
+async def test_a_replica_down_counts_failed_probes_not_upstream_errors(tmp_path: Path) -> None:
+    """The real CLI over two sim replicas; one stops and stays down. Its failed probes
+    count in gateway_health_probes_total{result="unreachable"} and it leaves rotation,
+    while gateway_upstream_errors_total stays at 0 (no request went to it): one outage,
+    one page (RolloutGatewayReplicaDown), not a second one for upstream errors."""
+    args = ["--health-interval-s", "0.2", "--health-timeout-s", "1"]
+    with sim_fleet(2, tmp_path, gateway_args=args) as f:
+        async with httpx.AsyncClient(base_url=f.url, timeout=10) as client:
+            start = (await client.get("/metrics")).text
+            probes = {
+                tuple(s.labels.values()) for s in families(start)["gateway_health_probes"].samples
+            }
+            assert probes == set(product(("0", "1"), ProbeResult)), probes  # each at start
+            assert total(start, "gateway_upstream_errors") == 0
+            f.sims[1].stop()
+
+            async def down_a_while() -> str | None:
+                text = (await client.get("/metrics")).text
+                failed = total(text, "gateway_health_probes", replica="1", result="unreachable")
+                healthy = total(text, "gateway_replica_healthy", replica="1")
+                return text if failed >= 10 and healthy == 0 else None
+
+            text = await eventually(down_a_while, "10 failed probes of the stopped replica")
+            assert text is not None
+            errors = [s for s in families(text)["gateway_upstream_errors"].samples if s.value]
+            assert not errors, errors
+            assert total(text, "gateway_replica_ejections", replica="1") == 1
+            for replica, grew in (("0", True), ("1", False)):
+                ok = [total(t, "gateway_health_probes", replica=replica, result="ok")
+                      for t in (start, text)]  # fmt: skip
+                assert (ok[1] > ok[0]) is grew, (replica, ok)
+
+
+def test_the_label_sets_born_at_zero_cover_the_codes_values() -> None:
+    """The closed sets ``gateway.metrics`` exports at 0 hold every value the code can
+    record: each upstream failure kind the HTTP layer names, each admission refusal,
+    each control call path."""
+    source = "\n".join(p.read_text() for p in Path(gateway_package.__file__).parent.rglob("*.py"))
+    kinds = set(re.findall(r'ReplicaConnectError\([^()]*?,\s*"([a-z_]+)"\)', source))
+    kinds |= set(re.findall(r'ConnectFailed\("([a-z_]+)"', source))
+    kinds |= set(re.findall(r'^\s+return "([a-z_]+)"$', (HTTP / "failures.py").read_text(),
+                            re.MULTILINE))  # fmt: skip
+    kinds |= {"timeout", "ejected"}  # a control call that got no answer (FanOut, Rotation.lost)
+    assert {"refused", "connect_timeout", "reset", "dns", "tls"} <= kinds, kinds
+    assert kinds <= set(UPSTREAM_ERROR_KINDS), kinds - set(UPSTREAM_ERROR_KINDS)
+    assert {r.value for r in Refusal} == set(ADMISSION_REFUSALS)
+    paths = {p.rsplit("/", 1)[-1] for p in (PAUSE, RESUME, RESET)}
+    assert paths == set(CONTROL_CALLS)

@@ -18,14 +18,14 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from gateway.config import ReplicaSpec, Settings
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, UpstreamTimeout
 from gateway.fleet.control import FleetControl
 from gateway.fleet.discovery import diff_membership
 from gateway.fleet.fanout import FanOut
 from gateway.fleet.replicas import Transition
 from gateway.fleet.rotation import Rotation
 from gateway.http.upstream import ReplicaConnectError
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, ProbeResult
 from gateway.routing.policy import Router
 from gateway.runs.mode import RunMode
 
@@ -57,17 +57,26 @@ class Health:
         self._background: set[asyncio.Task[Any]] = set()
 
     async def probe(self, index: int) -> bool:
+        result = await self._probe(index)
+        self._metrics.health_probes.labels(str(index), result.value).inc()
+        return result is ProbeResult.OK
+
+    async def _probe(self, index: int) -> ProbeResult:
         try:
             result = await self._fleet.upstream.call(
                 index, "GET", "/health", timeout=self._settings.health_timeout_s
             )
         except ReplicaConnectError as exc:
             if exc.conclusive:  # refused, DNS, TLS: as conclusive as on a request
-                self._rotation.on_connect_failure(index, exc.kind)
-            return False
+                self._rotation.unreachable(index, exc.kind)  # a probe: not an upstream error
+            if exc.kind == "connect_timeout":
+                return ProbeResult.TIMEOUT
+            return ProbeResult.UNREACHABLE
+        except UpstreamTimeout:
+            return ProbeResult.TIMEOUT
         except GatewayError:
-            return False
-        return result.status == 200
+            return ProbeResult.UNHEALTHY
+        return ProbeResult.OK if result.status == 200 else ProbeResult.UNHEALTHY
 
     async def round(self, *, sync_adapters: bool = True, only: Sequence[int] | None = None) -> None:
         """Probe every replica, apply ejections/admissions, then let the adapter manager

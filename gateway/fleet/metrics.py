@@ -92,10 +92,13 @@ class ControlCollector(Collector):
 
 
 class BreakerCollector(Collector):
-    """Outlier breaker state per replica that has answered at least once."""
+    """Outlier breaker state per replica of the pool: 0 (closed) for one that has not
+    answered yet, so the series RolloutGatewayReplicaOutlierEjected selects exists from the
+    start (``gateway.metrics``, "Born at zero")."""
 
-    def __init__(self, outliers: OutlierDetector) -> None:
+    def __init__(self, outliers: OutlierDetector, pool: ReplicaPool) -> None:
         self._outliers = outliers
+        self._pool = pool
 
     def collect(self) -> Iterator[Metric]:
         state = GaugeMetricFamily(
@@ -103,6 +106,7 @@ class BreakerCollector(Collector):
             "Outlier circuit breaker: 0 closed, 1 open (ejected), 2 half-open (one trial).",
             labels=["replica"],
         )
-        for index, value in sorted(self._outliers.states().items()):
-            state.add_metric([str(index)], int(value))
+        states = {index: int(value) for index, value in self._outliers.states().items()}
+        for index in sorted(set(self._pool.indices()) | set(states)):
+            state.add_metric([str(index)], states.get(index, 0))
         yield state

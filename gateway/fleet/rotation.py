@@ -106,7 +106,15 @@ class Rotation:
                             "replica_url": self.pool[index].display})  # fmt: skip
 
     def on_connect_failure(self, index: int, kind: str) -> None:
+        """A request or a control call could not reach ``index``: an upstream error."""
         self._metrics.upstream_errors.labels(str(index), kind).inc()
+        self.unreachable(index, kind)
+
+    def unreachable(self, index: int, kind: str) -> None:
+        """``index`` refused a connection: passive ejection. A health probe's failure
+        comes here directly: it counts in ``gateway_health_probes_total``, not as an
+        upstream error, so a replica that is down pages once (RolloutGatewayReplicaDown),
+        not a second time as RolloutGatewayUpstreamErrors."""
         if self.pool.record_connect_failure(index) is Transition.EJECTED:
             self._metrics.ejections.labels(str(index), "passive").inc()
             log.warning("replica %d (%s) ejected: %s", index, self.pool[index].display, kind,

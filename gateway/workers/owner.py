@@ -277,7 +277,9 @@ class Hub:
             if future is not None and not future.done():
                 future.set_result(message.get("value"))
         elif op == "connect_failure":
-            self.gw.rotation.on_connect_failure(int(message["replica"]), str(message["kind"]))
+            # The worker counted the upstream error in its own series (summed into /metrics):
+            # here it only ejects.
+            self.gw.rotation.unreachable(int(message["replica"]), str(message["kind"]))
             self._spawn(self.sync())
         else:
             raise ValueError(f"unknown op {op!r}")

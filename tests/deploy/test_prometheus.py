@@ -20,6 +20,18 @@ from rollout_testbed.procs import free_port
 
 from tests.cluster import cluster
 from tests.deploy._proc import REPO, process
+from tests.deploy.alert_series import (
+    MULTI_RUN_ONLY,
+    Scrape,
+    Started,
+    alerts,
+    counts_any_increase,
+    expand,
+    expected,
+    parse_series,
+    selectors,
+    start_scrapes,
+)
 from tests.deploy.metrics_sample import RUNS, drive_load, metrics_sample
 from tests.deploy.test_dashboard import expressions as dashboard_expressions
 from tests.deploy.test_dashboard import load as load_dashboard
@@ -108,6 +120,122 @@ def test_alert_rules_refer_to_exported_metrics() -> None:
             assert names <= exported, (rule["alert"], names - exported)
 
 
+@pytest.fixture(scope="module")
+def started() -> Started:
+    return start_scrapes()
+
+
+def _counter(scrape: Scrape, name: str) -> bool:
+    return scrape.family(name)[1] in ("counter", "histogram")
+
+
+@pytest.mark.parametrize("mode", ["single-run", "--workers 2", "multi-run"])
+def test_every_series_an_alert_selects_is_exported_at_start(started: Started, mode: str) -> None:
+    """The first scrape of a started gateway (the real CLI, before any traffic) has every
+    series each alert selects, for every value of its labels, counters at 0: so the first
+    failure is an increase Prometheus sees (docs/alerts.md, "Born at zero")."""
+    scrape = started.modes()[mode]
+    missing, nonzero, checked = [], [], 0
+    for rule in alerts(PROM_DIR / "alerts.yml"):
+        for selector in selectors(rule["expr"]):
+            if selector.name.startswith(MULTI_RUN_ONLY) and mode != "multi-run":
+                assert not scrape.find(selector.name, {}), (mode, selector.name)
+                continue
+            for labels in expected(selector, scrape):
+                checked += 1
+                values = scrape.find(selector.name, labels)
+                if not values:
+                    missing.append((rule["alert"], selector.name, labels))
+                elif _counter(scrape, selector.name) and any(values):
+                    nonzero.append((rule["alert"], selector.name, labels, values))
+    assert not missing, missing
+    assert not nonzero, nonzero
+    assert checked >= 80, checked  # label combinations: not a check of nothing
+
+
+def test_a_run_added_by_a_reload_is_born_at_zero(started: Started) -> None:
+    """The per-run series an alert selects exist for a run a reload added, at 0, at the
+    first scrape after the reload."""
+    scrape, checked = started.reloaded, 0
+    for rule in alerts(PROM_DIR / "alerts.yml"):
+        for selector in selectors(rule["expr"]):
+            if not any("run" in labels for labels in expected(selector, started.multi)):
+                continue
+            values = scrape.find(selector.name, {"run": "run-d"})
+            assert values, (rule["alert"], selector.name)
+            if _counter(scrape, selector.name):
+                assert not any(values), (rule["alert"], selector.name, values)
+            checked += 1
+    assert checked >= 3, checked
+
+
+def _promtool_tests() -> list[dict[str, Any]]:
+    tests: list[dict[str, Any]] = yaml.safe_load((PROM_DIR / "alerts_test.yml").read_text())[
+        "tests"
+    ]
+    return tests
+
+
+def test_promtool_inputs_are_what_a_started_gateway_exports(started: Started) -> None:
+    """Every input series of alerts_test.yml (bar ``up``, which Prometheus makes) is a
+    series the started gateway exports, with the same labels; a counter's starts at the
+    value the gateway starts it at, 0. No hand-written zero the gateway never shows."""
+    checked = 0
+    for case in _promtool_tests():
+        for item in case["input_series"]:
+            name, labels = parse_series(item["series"])
+            if name == "up":
+                continue
+            labels = {k: v for k, v in labels.items() if k not in ("instance", "job")}
+            scrape = started.multi if name.startswith(MULTI_RUN_ONLY) else started.single
+            value = scrape.exact(name, labels)
+            assert value is not None, (case["name"], item["series"], "not exported at start")
+            if _counter(scrape, name):
+                first = expand(str(item["values"]))[0]
+                assert first == value == 0, (case["name"], item["series"], first, value)
+            checked += 1
+    assert checked >= 20, checked
+
+
+def _minutes(duration: str) -> float:
+    value, unit = float(duration[:-1]), duration[-1]
+    return value * {"s": 1 / 60, "m": 1.0, "h": 60.0}[unit]
+
+
+def test_every_alert_fires_in_a_promtool_case(started: Started) -> None:
+    """Each alert has a promtool case in which it fires. An alert on any increase (one
+    failure is worth a look) has one in which a single failure does it: a counter the
+    alert selects goes 0 -> 1 (from the 0 the gateway exports at start) and stays, and the
+    alert fires at an evaluation after that."""
+    tests = _promtool_tests()
+    for rule in alerts(PROM_DIR / "alerts.yml"):
+        name = rule["alert"]
+        fired = [
+            (case, check)
+            for case in tests
+            for check in case.get("alert_rule_test", [])
+            if check["alertname"] == name and check.get("exp_alerts")
+        ]
+        assert fired, f"{name}: no promtool case in which it fires"
+        if not counts_any_increase(rule["expr"]):
+            continue
+        counters = {s.name for s in selectors(rule["expr"]) if _counter(started.multi, s.name)}
+        assert counters, name
+        single_failures = []
+        for case, check in fired:
+            step = _minutes(case["interval"])
+            for item in case["input_series"]:
+                series, _ = parse_series(item["series"])
+                values = [v for v in expand(str(item["values"])) if v is not None]
+                if series not in counters or values[0] != 0 or set(values) != {0, 1}:
+                    continue
+                if values == sorted(values) and values.index(1) * step <= _minutes(
+                    check["eval_time"]
+                ):
+                    single_failures.append((case["name"], item["series"]))
+        assert single_failures, f"{name}: no case where one failure (0 -> 1) makes it fire"
+
+
 def _anchors(markdown: str) -> set[str]:
     """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to
     hyphens (enough for the runbook's headings, which are alert names)."""
@@ -135,7 +263,9 @@ def test_every_alert_waits_and_links_its_runbook_section() -> None:
 
 def test_shipped_prometheus_configs_are_valid(tmp_path: Path) -> None:
     """deploy/compose/prometheus.yml, laid out as its container mounts it (alerts beside)."""
-    for config in sorted(REPO.glob("deploy/**/prometheus*.yml")):
+    configs = sorted(REPO.glob("deploy/**/prometheus*.yml"))
+    assert configs, "no deploy/**/prometheus*.yml: the check would pass on nothing"
+    for config in configs:
         target = tmp_path / config.parent.name
         target.mkdir()
         shutil.copy(config, target / "prometheus.yml")
