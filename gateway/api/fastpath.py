@@ -52,11 +52,11 @@ class FastPath:
     def __init__(self, app: Starlette, stopping: Stopping | None = None) -> None:
         self.app = app
         self.gateway: Gateway = app.state.gateway
-        names = self.gateway.settings.request_id_headers
-        self._id_headers = tuple(h.encode("latin-1") for h in names)
         self.stopping = stopping if stopping is not None else Stopping()
         """Set by the server on SIGTERM (``serve(..., stopping=app.stopping)``): from
         then on new work is refused with 503 and ``/readyz`` is 503."""
+        names = self.gateway.settings.request_id_headers
+        self._id_headers = tuple(h.encode("latin-1") for h in names)
 
     @property
     def state(self) -> State:

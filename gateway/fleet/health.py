@@ -25,6 +25,7 @@ from gateway.fleet.fanout import FanOut
 from gateway.fleet.replicas import Transition
 from gateway.fleet.rotation import Rotation
 from gateway.http.upstream import ReplicaConnectError
+from gateway.logs import Repeats
 from gateway.metrics import Metrics, ProbeResult
 from gateway.routing.policy import Router
 from gateway.runs.mode import RunMode
@@ -55,11 +56,36 @@ class Health:
         self._metrics = metrics
         self._rejoining: dict[int, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._down = Repeats(every_s=60.0)  # a down replica's failed probes: which to log
+        self._why: dict[int, str] = {}  # a probe's connection failure, by kind
 
     async def probe(self, index: int) -> bool:
         result = await self._probe(index)
         self._metrics.health_probes.labels(str(index), result.value).inc()
+        self._log_probe(index, result)
         return result is ProbeResult.OK
+
+    def _log_probe(self, index: int, result: ProbeResult) -> None:
+        """A replica out of rotation that keeps failing its probes says why (``Repeats``:
+        the first failure after the ejection, each change of kind, then every minute),
+        and how long it was down once it passes again."""
+        why = self._why.pop(index, result.value)
+        replica = self._pool[index]
+        fields = {"replica": index, "replica_url": replica.display}
+        if result is ProbeResult.OK:
+            streak = self._down.ended(index)
+            if streak is not None and streak.count > 1:
+                down_s = self._rotation.clock() - streak.since
+                log.info("replica %d (%s) passed a probe after %d failed ones over %.0f s",
+                         index, replica.display, streak.count, down_s,
+                         extra={"event": "probe_passed", **fields})  # fmt: skip
+            return
+        streak = self._down.seen(index, why, self._rotation.clock())
+        if streak is not None and not replica.up:  # while up: the ejection line says it
+            log.warning("replica %d (%s) fails its health checks: %s (%d failed in a row, "
+                        "for %.0f s)", index, replica.display, why, streak.count,
+                        self._rotation.clock() - streak.since,
+                        extra={"event": "probe_failed", "kind": why, **fields})  # fmt: skip
 
     async def _probe(self, index: int) -> ProbeResult:
         try:
@@ -67,6 +93,7 @@ class Health:
                 index, "GET", "/health", timeout=self._settings.health_timeout_s
             )
         except ReplicaConnectError as exc:
+            self._why[index] = exc.kind  # dns, refused, tls, ... (``gateway.http.failures``)
             if exc.conclusive:  # refused, DNS, TLS: as conclusive as on a request
                 self._rotation.unreachable(index, exc.kind)  # a probe: not an upstream error
             if exc.kind == "connect_timeout":
@@ -90,14 +117,20 @@ class Health:
             if change is Transition.EJECTED:
                 self._metrics.ejections.labels(str(index), "probe").inc()
                 self._rotation.out_of_rotation(index)
-                log.warning("replica %d (%s) failed health checks; ejected",
-                            index, pool[index].display)  # fmt: skip
+                streak = self._down.peek(index)
+                why = streak.detail if streak is not None else "unhealthy"
+                log.warning("replica %d (%s) failed health checks (%s); ejected",
+                            index, pool[index].display, why,
+                            extra={"event": "replica_ejected", "kind": why, "replica": index,
+                                   "replica_url": pool[index].display})  # fmt: skip
             elif change is Transition.READY:
                 rejoins.append(self._rejoin(index))
         if rejoins:
             # Bounded: a control call in progress holds the fleet lock, and this round must
             # not stall ejections behind it. The rejoin goes on in its task.
             await asyncio.wait(rejoins, timeout=self._settings.health_timeout_s)
+        # runs whose homes all left rotation move now, so this round's sync loads them
+        self._mode.rehome(self._fleet)
         if sync_adapters:
             await self.sync_adapters()
 
