@@ -7,17 +7,21 @@ each replica that serves it, so when the fleet is short each run gets a subset, 
 Rules (as ``state.py``): pure, synchronous, deterministic; no clock, no I/O; ties go by a
 seeded xxh3 rendezvous hash, never dict order, so two gateways agree. Values are immutable
 snapshots the shell swaps. Replica ids are pool indices (as in ``routing/``); a DOWN replica
-keeps its homes (it is reconciled on return): only leaving the pool removes them.
+(``down``: ejected, unhealthy) keeps its homes (it is reconciled on return), except those
+of a *stranded* run, every one of whose homes is down: such a run could serve nowhere, so
+it is re-placed on replicas that are up, or left homeless (unplaced) if none has room.
+Only leaving the pool removes the other homes. A DOWN replica takes no new home.
 
 Algorithm (:func:`place`; :func:`admit` and :func:`release` are its one-run cases):
 
-1. Keep every previous home whose replica is still present.
+1. Keep every previous home whose replica is still present, but none of a stranded run's.
 2. Repair: a replica over budget (its budget shrank, a run's slots grew) drops homes,
    extra homes of the most-homed runs first, until it fits.
-3. Admit each homeless run (new, or all its homes left), largest first, where it needs the
-   fewest evictions, then has most room, then by hash. Only *extra* homes are evicted
-   (never a run's last, so no run is relocated), most-homed runs' first, none needlessly.
-4. Spread (water-filling): the run with the fewest homes gains one, on the replica with the
+3. Admit each homeless run (new, stranded, or all its homes left), largest first, on an up
+   replica where it needs the fewest evictions, then has most room, then by hash. Only
+   *extra* homes are evicted (never a run's last, nor its last up one, so no run is
+   relocated or stranded), most-homed runs' first, none needlessly.
+4. Spread (water-filling): the run with the fewest homes gains one, on the up replica with the
    most room (then rendezvous hash), until no run can gain. So free capacity is always
    used, and with ample budget every run is homed on every replica: single-run behaviour.
    Nothing is moved only to even out home counts: runs that joined an empty fleet keep
@@ -36,6 +40,10 @@ Minimal movement, precisely (each is a test in ``tests/adapters/test_placement.p
   replicas where they were re-homed;
 * run joins (:func:`admit`): if some replica has room, no run loses a home; otherwise
   only extra homes on one replica, the new run's first home, are evicted;
+* replicas go down (``down``): only stranded runs lose homes (those on the down replicas),
+  each re-placed on up replicas (evicting only extra homes, never another run's last up
+  home) or left homeless; a stranded run does not move back when its old home returns
+  (it may gain it as an extra home by spreading, like any run);
 * always, with budgets and slots unchanged: a removed pair is irredundant (putting it back
   would exceed that replica's budget), and a run with a surviving home keeps one of its
   old homes (it stays routable while reconciling, below).
@@ -52,7 +60,7 @@ its *routable* homes" and "never over budget" at every instant by this order:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
@@ -71,6 +79,7 @@ __all__ = [
     "place",
     "release",
     "run_slots",
+    "stranded",
 ]
 
 _K = TypeVar("_K", int, str)
@@ -245,9 +254,13 @@ def _explain(needs: Mapping[str, int], p: Placement) -> str:
 class _Work:
     """Mutable scratch state of one :func:`place` call (never escapes it)."""
 
-    def __init__(self, budgets: Mapping[int, int], slots: Mapping[str, int]) -> None:
+    def __init__(
+        self, budgets: Mapping[int, int], slots: Mapping[str, int], down: Collection[int] = ()
+    ) -> None:
         self.budgets = _checked(budgets, "budget", 0)
         self.slots = _checked(slots, "slots", 1)
+        self.down = frozenset(down) & self.budgets.keys()
+        """Replicas that keep their homes but take no new one (ejected, unhealthy)."""
         self.homes: dict[str, set[int]] = {run: set() for run in self.slots}
         self.loads = dict.fromkeys(self.budgets, 0)
         self.kept: dict[str, set[int]] = {run: set() for run in self.slots}
@@ -270,7 +283,8 @@ class _Work:
         of the most-homed runs first (joins take from the rich), then, if ``last_homes``,
         runs homed only on ``r``; pruned smallest first so that no chosen run could stay."""
         here = [run for run, hs in self.homes.items()
-                if r in hs and (last_homes or (len(hs) > 1 and self._movable(run, r)))]  # fmt: skip
+                if r in hs and (last_homes or (self._up_elsewhere(run, r)
+                                               and self._movable(run, r)))]  # fmt: skip
         here.sort(key=lambda run: (-len(self.homes[run]), -self.slots[run], _score(run, r)))
         chosen: list[str] = []
         freed = 0
@@ -285,6 +299,11 @@ class _Work:
                 chosen.remove(run)
                 freed -= self.slots[run]
         return chosen
+
+    def _up_elsewhere(self, run: str, r: int) -> bool:
+        """Whether ``run`` keeps a home that is up without ``r`` (with nothing down: whether
+        ``r`` is an extra home): taking ``r`` must not strand it."""
+        return any(h != r and h not in self.down for h in self.homes[run])
 
     def _movable(self, run: str, r: int) -> bool:
         """Whether ``run``'s home ``r`` may go without taking its last previous home."""
@@ -304,6 +323,8 @@ class _Work:
         need = self.slots[run]
         best: tuple[tuple[int, int, int, int], int, list[str]] | None = None
         for r in self.budgets:
+            if r in self.down:
+                continue
             deficit = need - self.free(r)
             victims = [] if deficit <= 0 else self.evictions(r, deficit, last_homes=False)
             if victims is None:
@@ -334,7 +355,8 @@ class _Work:
         while heap:
             count, order, run = heapq.heappop(heap)
             need, hs = self.slots[run], self.homes[run]
-            options = [r for r in self.budgets if r not in hs and self.free(r) >= need]
+            options = [r for r in self.budgets
+                       if r not in hs and r not in self.down and self.free(r) >= need]  # fmt: skip
             if not options:
                 continue
             self.add(run, max(options, key=lambda r: (self.free(r), _score(run, r))))
@@ -347,14 +369,29 @@ class _Work:
         return Placement(self.budgets, {run: self.slots[run] for run in homes}, homes)
 
 
+def stranded(placement: Placement, down: Collection[int]) -> frozenset[str]:
+    """The runs every one of whose homes is in ``down``: they can serve nowhere until
+    :func:`place` (given the same ``down``) re-places them."""
+    gone = frozenset(down)
+    return frozenset(run for run in placement.runs if placement.homes(run) <= gone)
+
+
 def place(
-    previous: Placement, runs: Mapping[str, int], replicas: Mapping[int, int]
+    previous: Placement,
+    runs: Mapping[str, int],
+    replicas: Mapping[int, int],
+    down: Collection[int] = (),
 ) -> Placement | PlacementError:
     """Place ``runs`` (name -> slots) on ``replicas`` (id -> budget), moving little; or a
-    :class:`PlacementError` whose ``best_effort`` places every run that fits."""
-    work = _Work(replicas, runs)
+    :class:`PlacementError` whose ``best_effort`` places every run that fits. ``down``:
+    replicas present but out of rotation; they take no new home, and a run homed only on
+    them is re-placed (the module's rules)."""
+    work = _Work(replicas, runs, down)
     for run in work.slots:
-        for r in sorted(previous.homes(run) & work.budgets.keys()):
+        kept = previous.homes(run) & work.budgets.keys()
+        if kept and kept <= work.down:  # stranded: re-placed on up replicas, or homeless
+            continue
+        for r in sorted(kept):
             work.add(run, r)
             work.kept[run].add(r)
     work.repair()

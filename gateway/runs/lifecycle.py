@@ -20,7 +20,7 @@ slots back (:func:`replace` without them).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from gateway.adapters.placement import Placement, PlacementError, place
@@ -106,13 +106,27 @@ def _fixed(old: Run, new: Run) -> str | None:
 
 
 def replace(
-    previous: Placement, runs: Mapping[str, int], replicas: Iterable[int], budget: int
+    previous: Placement,
+    runs: Mapping[str, int],
+    replicas: Iterable[int],
+    budget: int,
+    down: Collection[int] = (),
 ) -> tuple[Placement, dict[str, str]]:
     """Every run of ``runs`` (name -> slots, leaving runs included) placed on ``replicas``
-    of ``budget`` slots, moving as little as possible; and why each run that does not fit
-    has no homes (the placement's error, naming the budget)."""
-    result = place(previous, runs, dict.fromkeys(replicas, budget))
+    of ``budget`` slots, moving as little as possible (``down``: those out of rotation,
+    which take no new home; a run homed only on them is re-placed); and why each run that
+    does not fit has no homes (the placement's error, naming the budget, and the homes it
+    lost if they are down)."""
+    result = place(previous, runs, dict.fromkeys(replicas, budget), down)
     if isinstance(result, PlacementError):
-        failed = {name: f"LoRA adapter slots exhausted: {result}" for name in result.needs}
+        failed = {name: _unfit(name, previous, down, str(result)) for name in result.needs}
         return result.best_effort, failed
     return result, {}
+
+
+def _unfit(run: str, previous: Placement, down: Collection[int], why: str) -> str:
+    homes = sorted(previous.homes(run))
+    if homes and set(homes) <= set(down):
+        return (f"LoRA adapter slots exhausted: run {run!r} lost its home replicas {homes} "
+                f"(down) and no healthy replica has room for it: {why}")  # fmt: skip
+    return f"LoRA adapter slots exhausted: {why}"

@@ -71,6 +71,13 @@ class RunMode(Protocol):
         """Discovery changed the members; returns replicas to sweep."""
         ...
 
+    def rehome(self, fleet: RunFleet) -> None:
+        """After a health round changed who is in rotation: runs whose homes are all out
+        are re-placed on replicas that are up (or left unplaced); their new homes are
+        reconciled by the round's adapter sync, replicas that lost runs swept in the
+        background."""
+        ...
+
     def adapter_status(self, viewer: Tenant | None) -> dict[str, Any]:
         """The adapter part of ``/gateway/status``."""
         ...
@@ -181,6 +188,9 @@ class SingleRun:
     def members_changed(self, indices: Sequence[int]) -> list[int]:
         return []
 
+    def rehome(self, fleet: RunFleet) -> None:
+        return None  # the one run is homed on every replica
+
     def adapter_status(self, viewer: Tenant | None) -> dict[str, Any]:
         return {"adapters": self.run.manager.status()}
 
@@ -208,6 +218,7 @@ class MultiRun:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._departures = Departures(tenancy, drain_s)
+        self._rehoming: set[asyncio.Task[None]] = set()
         self._stamp: object = None
         """The config file's stamp when it was last read, by whichever reload read it (the
         watch, SIGHUP or the admin's POST): the watch reloads only a file it has not seen."""
@@ -247,6 +258,30 @@ class MultiRun:
             return []
         moves = tenancy.place(indices, tenancy.budget)
         return sorted({r for change, _, r in moves if change is Change.LOSE} & set(indices))
+
+    def rehome(self, fleet: RunFleet) -> None:
+        pool = fleet.pool
+        healthy = set(pool.healthy_indices())
+        moves = self.tenancy.rehome([r for r in pool.indices() if r not in healthy])
+        if not moves:
+            return
+        for change, run, replica in moves:
+            log.warning("run %s %s home replica %d (replicas out of rotation: %s)", run,
+                        "lost" if change is Change.LOSE else "gained", replica,
+                        sorted(self.tenancy.down))  # fmt: skip
+        task = asyncio.get_running_loop().create_task(self._rehomed(fleet, moves))
+        self._rehoming.add(task)
+        task.add_done_callback(self._rehoming.discard)
+
+    async def _rehomed(self, fleet: RunFleet, moves: Sequence[tuple[Change, str, int]]) -> None:
+        """The moves of a re-placement after a health round, done as a reload's are: the
+        replicas up that lost a run drained of its rollouts and swept, then the gained
+        homes reconciled (the round's adapter sync may have done it already)."""
+        async with self._lock:
+            try:
+                await self._moved(fleet, moves, set())
+            except Exception:  # best effort: the next rejoin sweeps, the next round syncs
+                log.exception("re-placing runs after a health round failed")
 
     def adapter_status(self, viewer: Tenant | None) -> dict[str, Any]:
         tenancy = self.tenancy
@@ -302,10 +337,11 @@ class MultiRun:
         """After a re-placement: replicas where runs lost homes are swept first, then each
         home a kept run gained is reconciled (its live versions loaded) at once, so that
         it serves the run now rather than after the next health round."""
-        lost = {r for change, _, r in moves if change is Change.LOSE}
+        healthy = set(fleet.pool.healthy_indices())
+        # a replica out of rotation is swept when it rejoins (``Health``), not waited on now
+        lost = {r for change, _, r in moves if change is Change.LOSE} & healthy
         await self._drained_off(fleet, moves)
         await asyncio.gather(*(sweep(fleet, r) for r in sorted(lost)))
-        healthy = set(fleet.pool.healthy_indices())
         tenants = self.tenancy.tenants
         gained = [(tenants[run], r) for change, run, r in moves
                   if change is Change.GAIN and run in tenants and run not in skip
@@ -383,6 +419,9 @@ class MultiRun:
                 log.exception("runs reload failed")
 
     async def aclose(self) -> None:
+        for task in list(self._rehoming):
+            task.cancel()
+        await asyncio.gather(*self._rehoming, return_exceptions=True)
         await self._departures.aclose()
 
 

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -369,6 +369,9 @@ class Tenancy:
         """Reloads of the run set by outcome (``gateway_run_reloads_total``)."""
         self.placement: Placement | None = None
         self.budget: int | None = None
+        self.down: frozenset[int] = frozenset()
+        """Replicas out of rotation at the last health round (``rehome``): every placement
+        gives them no new home and re-places the runs homed only there."""
         self.generation = 0
         """Counts the run sets that changed a run (``apply``): a data-plane worker is sent
         the run set whenever it changes (``gateway.workers.owner``)."""
@@ -426,7 +429,8 @@ class Tenancy:
             return found
         runs = {t.name: t.run.slots for t in self.leaving.values()}
         runs |= {r.name: r.slots for r in new.runs if r.name in self.tenants}
-        trial, failed = replace(self.placement, runs, sorted(self.placement.replicas), self.budget)
+        trial, failed = replace(self.placement, runs, sorted(self.placement.replicas),
+                                self.budget, self.down)  # fmt: skip
         lost = sorted(n for n in failed if self.placement.homes(n) and not trial.homes(n))
         if not lost:
             return found
@@ -520,9 +524,23 @@ class Tenancy:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def rehome(self, down: Collection[int]) -> list[tuple[Change, str, int]]:
+        """The health round's replicas out of rotation (ejected, unhealthy). When they
+        changed, every run is re-placed with them (``down``): a run whose homes are all
+        down moves to up replicas with room, or is unplaced (its ``home_replicas`` 0, for
+        the alert) until room appears; a replica back up may take homes by spreading. A
+        moved run does not move back. Returns the moves (none: nothing changed)."""
+        now = frozenset(down)
+        if now == self.down or self.budget is None or self.placement is None:
+            return []  # not placed yet: the start's placement reads the members as they are
+        self.down = now
+        return self.place(sorted(self.placement.replicas), self.budget)
+
     def place(self, replicas: Sequence[int], budget: int) -> list[tuple[Change, str, int]]:
         """(Re)place every run on ``replicas`` (each with ``budget`` slots), moving as little
         as possible; apply the homes to each run's manager; returns the moves applied.
+        The replicas ``down`` take no new home; a run homed only on them is re-placed on
+        the others, or left unplaced (``placement``'s rules).
 
         Order (``placement``'s rule): lost homes first, so the registry stops routing
         there before anything is unloaded; gained homes join DOWN and get adapter
@@ -531,9 +549,10 @@ class Tenancy:
         previous = self.placement or Placement.empty({})
         every = {**self.leaving, **self.tenants}
         runs = {t.name: t.run.slots for t in every.values()}
-        new, failed = replace(previous, runs, replicas, budget)
+        new, failed = replace(previous, runs, replicas, budget, self.down)
         for name, why in failed.items():
-            log.error("run %s cannot be placed: %s", name, why)
+            if every[name].unplaced != why:  # once per reason: re-placing repeats it
+                log.error("run %s cannot be placed: %s", name, why)
         moves = []
         for move in diff(previous, new):
             tenant = every.get(move.run)

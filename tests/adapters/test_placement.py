@@ -35,6 +35,7 @@ from gateway.adapters.placement import (
     place,
     release,
     run_slots,
+    stranded,
 )
 
 RUN_NAMES = [f"r{i}" for i in range(12)]
@@ -455,3 +456,101 @@ def test_replica_joining_never_relocates_a_run_that_spreading_gave_a_new_home() 
     q = result.best_effort if isinstance(result, PlacementError) else result
     assert all(p.homes(run) <= q.homes(run) for run in p.runs), (p, q)
     assert q.homes("d") == {1}
+
+
+# ----------------------------------------------------------------- replicas down
+
+
+@st.composite
+def downs(draw: st.DrawFn) -> tuple[Placement, frozenset[int]]:
+    """A placement and some of its replicas out of rotation."""
+    p = draw(fleets())
+    down = draw(st.frozensets(st.sampled_from(sorted(p.replicas)))) if p.replicas else frozenset()
+    return p, down
+
+
+@FAST
+@given(downs())
+def test_replicas_down_rehome_only_stranded_runs_onto_up_replicas(
+    case: tuple[Placement, frozenset[int]],
+) -> None:
+    """The decision a health round's ejections trigger (``place(..., down)``): a run whose
+    homes are all down moves to up replicas or is left unplaced (only when no up replica
+    has room for it); every other run keeps its homes on the down replicas and an up home;
+    no down replica gains a home; nothing is over budget."""
+    p, down = case
+    result = place(p, p.slots, p.budgets, down)
+    q = settle(result)
+    check_valid(q, p.slots, p.budgets)
+    cut = stranded(p, down)
+    assert all(r not in down for _, r in q.pairs() - p.pairs()), "a down replica gained a home"
+    for run in q.runs:
+        assert q.homes(run) - down, f"{run} is placed on down replicas only"
+    for run in p.runs - cut:
+        assert run in q and p.homes(run) & down <= q.homes(run), f"{run} lost a down home"
+        assert p.homes(run) & q.homes(run) - down, f"{run} was relocated"
+    for run in cut:
+        assert not q.homes(run) & down, f"{run} kept a home that is down"
+        if run not in q:  # unplaced: no up replica could take it, even evicting extra homes
+            assert isinstance(result, PlacementError) and run in result.needs
+            assert all(q.free(r) < q.slots.get(run, p.slots[run]) for r in q.replicas - down)
+    if not cut:  # nothing stranded: the down replicas change nothing
+        assert q == p
+
+
+@FAST
+@given(downs())
+def test_a_moved_run_does_not_move_back_when_its_old_home_returns(
+    case: tuple[Placement, frozenset[int]],
+) -> None:
+    """Stability: once re-placed, every home survives the down replicas' return (they may
+    only gain homes by spreading), when the re-placement placed every run."""
+    p, down = case
+    moved = place(p, p.slots, p.budgets, down)
+    if isinstance(moved, PlacementError):
+        event("a stranded run found no room")
+        return
+    back = place(moved, moved.slots, moved.budgets)
+    assert isinstance(back, Placement) and moved.pairs() <= back.pairs(), (moved, back)
+
+
+def test_a_run_whose_only_home_is_down_takes_an_extra_home_of_another_run() -> None:
+    budgets = {0: 3, 1: 3, 2: 3}
+    p = settle(place(Placement.empty(budgets), {"a": 3, "b": 3}, budgets))
+    (rich,) = (run for run in p.runs if len(p.homes(run)) == 2)
+    ((poor, (home,)),) = ((run, p.ordered_homes(run)) for run in p.runs if run != rich)
+    assert stranded(p, {home}) == {poor} and stranded(p, set(p.homes(rich))) == {rich}
+    q = place(p, p.slots, budgets, {home})
+    assert isinstance(q, Placement), q
+    assert len(q.homes(poor)) == 1 and q.homes(poor) < p.homes(rich)
+    assert q.homes(rich) == p.homes(rich) - q.homes(poor)
+    # the move: the rich run's extra home is unloaded first, then the poor run loaded there
+    assert [(m.change, m.run) for m in diff(p, q) if m.replica != home] == [
+        (Change.LOSE, rich),
+        (Change.GAIN, poor),
+    ]
+    assert home not in q.homes(poor)  # its old home is down: nothing placed there
+    back = place(q, q.slots, budgets)  # back up: nothing moves back, its room is spread
+    assert isinstance(back, Placement) and q.pairs() < back.pairs() and back.load(home) == 3
+
+
+def test_a_stranded_run_with_no_room_on_up_replicas_is_unplaced_until_its_home_returns() -> None:
+    budgets = {0: 3, 1: 3}
+    p = settle(place(Placement.empty(budgets), {"a": 3, "b": 3}, budgets))
+    ((home,),) = (p.ordered_homes("b"),)
+    result = place(p, p.slots, budgets, {home})
+    assert isinstance(result, PlacementError) and set(result.needs) == {"b"}
+    q = result.best_effort
+    assert q.homes("a") == p.homes("a") and "b" not in q and q.free(home) == 3
+    back = place(q, p.slots, budgets)
+    assert isinstance(back, Placement) and back.homes("b") == {home}
+
+
+def test_every_replica_down_unplaces_every_run() -> None:
+    """Nothing can serve anywhere: moving would gain nothing, and every run is stranded
+    with nowhere to go, so each is unplaced rather than pointed at a dead replica."""
+    budgets = {0: 6, 1: 6}
+    p = settle(place(Placement.empty(budgets), {"a": 3, "b": 3}, budgets))
+    result = place(p, p.slots, budgets, {0, 1})
+    assert isinstance(result, PlacementError) and set(result.needs) == {"a", "b"}
+    assert not result.best_effort.runs
