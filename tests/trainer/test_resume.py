@@ -8,8 +8,10 @@ import signal
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
+from rollout_testbed.procs import SimFleet
 
 from tests.trainer.helpers import FAST, read_jsonl, run_in_process, start_trainer, wire_calls
 from trainer.checkpoint import find_checkpoint
@@ -19,17 +21,29 @@ from trainer.stack import sim_gateway
 pytestmark = pytest.mark.timeout(240)
 
 
+def sim_faults(stack: SimFleet, method: str, body: dict[str, Any] | None = None) -> None:
+    """Set (POST) or clear (DELETE) every sim replica's faults (``/sim/faults``)."""
+    data = None if body is None else json.dumps(body).encode()
+    for sim in stack.sims:
+        req = urllib.request.Request(sim.url + "/sim/faults", data=data, method=method)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200
+
+
 def test_kill_and_resume_continues_numbering(tmp_path: Path) -> None:
-    S, total = 1, 12
+    S, total = 1, 9
     out = tmp_path / "run"
     common = [*FAST, "--output-dir", str(out), "--max-staleness", str(S), "--save-steps", "3",
               "--max-steps", str(total)]  # fmt: skip
     with sim_gateway(2, S, tmp_path / "logs") as stack:
         first = start_trainer([*common, "--gateway", stack.url], tmp_path / "run1.log")
         deadline = time.monotonic() + 150
-        # kill -9 the whole run (driver + its reward process) once it is past checkpoint-3;
-        # it may be past a later checkpoint by the time it is stopped, so what follows is
-        # reckoned from the newest checkpoint on disk once the run is frozen (SIGSTOP)
+        # kill -9 the whole run (driver + its reward process) once it is past checkpoint-3.
+        # First every replica holds every new rollout (completion_hang): the run can then
+        # train only on what it already has (at most S + 1 steps of rollouts), so the kill
+        # lands before the run ends however long this process stalls. It may be past a
+        # later checkpoint by then, so what follows is reckoned from the newest checkpoint
+        # on disk once the run is frozen (SIGSTOP).
         while time.monotonic() < deadline:
             rows = read_jsonl(out / "metrics.jsonl")
             if (out / "checkpoint-3").is_dir() and rows and rows[-1]["step"] >= 4:
@@ -38,6 +52,7 @@ def test_kill_and_resume_continues_numbering(tmp_path: Path) -> None:
             time.sleep(0.2)
         else:
             pytest.fail("run 1 never got past checkpoint-3")
+        sim_faults(stack, "POST", {"completion_hang": -1})
         os.killpg(first.pid, signal.SIGSTOP)
         newest = find_checkpoint(out, "latest")
         assert newest is not None
@@ -52,6 +67,7 @@ def test_kill_and_resume_continues_numbering(tmp_path: Path) -> None:
         resumed = ck + 2  # the first version the resumed run loads
         assert len(killed_loads) >= 5  # the killed run got ahead of its checkpoint
 
+        sim_faults(stack, "DELETE")  # the held rollouts end (their client is gone)
         rc = run_in_process([*common, "--gateway", stack.url, "--resume-from-checkpoint", "latest"])
         assert rc == 0
         with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as r:
