@@ -1,10 +1,17 @@
 import io
 import logging
 import re
+import sys
+from pathlib import Path
+from typing import Any
 
+import httpx
 import orjson
+from rollout_testbed.procs import Proc, free_port, sim_argv
 
 from gateway import logs
+from tests.deploy._proc import base_env
+from tests.eventually import eventually_sync
 
 
 def _handler(formatter: logging.Formatter) -> tuple[logging.Logger, io.StringIO]:
@@ -121,3 +128,83 @@ def test_uvicorn_lines_are_written_under_the_gateways_names() -> None:
         assert "uvicorn" not in line and ("gateway.server" in line or "gateway.access" in line), (
             line
         )
+
+
+def test_repeats_logs_the_first_each_change_and_then_one_a_minute() -> None:
+    """A replica down for 5 minutes, probed every 0.5 s (600 failures): 6 lines, not 600."""
+    repeats = logs.Repeats(every_s=60.0)
+    logged = [t / 2 for t in range(600) if repeats.seen(1, "refused", t / 2) is not None]
+    assert logged == [0.0, 60.0, 120.0, 180.0, 240.0]
+    streak = repeats.seen(1, "dns", 300.0)  # a change is said at once
+    assert streak is not None and streak.count == 601 and streak.since == 0.0
+    assert repeats.seen(1, "dns", 300.5) is None
+    assert repeats.ended(1) is streak and repeats.ended(1) is None
+    assert repeats.seen(1, "dns", 301.0) is not None  # a new outage starts over
+
+
+# --- through a real gateway process ------------------------------------------------------
+
+_MS_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+def _records(log: Path) -> list[dict[str, Any]]:
+    """Every line of the gateway's log, each of which must be one JSON object."""
+    return [orjson.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def test_a_gateway_logs_searchable_json_and_carries_request_ids(tmp_path: Path) -> None:
+    """``serve --log-format json`` with ``--request-id-header x-correlation-id``, over a
+    sim replica and one whose name does not resolve: every line is JSON with a millisecond
+    UTC timestamp under a ``gateway.*`` logger (uvicorn's own lines too); the DNS failure
+    says ``dns``; a request's id comes from the configured header, reaches the replica
+    (vLLM makes it the completion's id), and is in the answer's header, the error body and
+    the log lines about that request, whose failure says ``refused``."""
+    log = tmp_path / "gw.log"
+    sim_port, port = free_port(), free_port()
+    sim = Proc("sim-replica", sim_argv(sim_port), tmp_path / "sim.log", env=base_env(),
+               url=f"http://127.0.0.1:{sim_port}", new_session=False)  # fmt: skip
+    unresolvable = "http://does-not-exist.invalid:1"
+    # A long probe period: the request below meets the stopped replica before a probe does.
+    argv = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--replica", sim.url,
+            "--replica", unresolvable, "--log-format", "json", "--health-interval-s", "60",
+            "--request-id-header", "x-correlation-id",
+            "--request-id-header", "x-request-id"]  # fmt: skip
+    gateway = Proc("gateway", argv, log, env=base_env(), url=f"http://127.0.0.1:{port}",
+                   new_session=False)  # fmt: skip
+    completion = {"model": "tiny-base", "prompt": "hi", "max_tokens": 2}
+    with sim, gateway, httpx.Client(base_url=gateway.url, timeout=30) as client:
+        sim.wait_http("/health")
+        gateway.wait_http("/metrics", request_timeout=1.0)
+        ids = {"x-correlation-id": "corr-1", "x-request-id": "other"}
+        r = client.post("/v1/completions", json=completion, headers=ids)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "corr-1"  # the first configured header wins
+        assert r.json()["id"] == "cmpl-corr-1"  # the replica was sent X-Request-Id: corr-1
+        r = client.post("/v1/completions", json=completion, headers={"x-correlation-id": "a b"})
+        made = r.headers["x-request-id"]  # not sane (a space): the gateway makes one
+        assert made != "a b" and r.json()["id"] == f"cmpl-{made}"
+        r = client.post("/v1/completions", content=b"{not json", headers={"x-correlation-id": "c4"})
+        assert r.status_code == 400  # the gateway's own error: the id in its body too
+        assert r.headers["x-request-id"] == "c4" == r.json()["request_id"]
+        sim.stop(grace=15, kill_wait=5)  # its port now refuses connections
+        r = client.post("/v1/completions", json=completion,
+                        headers={"x-correlation-id": "corr-dead"})  # fmt: skip
+        assert r.status_code == 503, r.text
+        assert r.headers["x-request-id"] == "corr-dead" == r.json()["request_id"]
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}  # vLLM's
+
+        def failure_logged() -> list[dict[str, Any]]:
+            return [x for x in _records(log) if x.get("request_id") == "corr-dead"]
+
+        about = eventually_sync(failure_logged, "the failed request's log lines")
+        gateway.stop(grace=15, kill_wait=5)
+    records = _records(log)
+    for record in records:
+        assert _MS_UTC.fullmatch(record["ts"]), record
+        assert record["logger"].startswith("gateway"), record
+    assert any(r["message"].startswith("Started server process") for r in records)  # uvicorn's
+    failed = [r for r in about if r.get("event") == "upstream_failed"]
+    assert failed and failed[0]["kind"] == "refused" and failed[0]["replica"] == 0, about
+    assert failed[0]["replica_url"] == sim.url
+    dns = [r for r in records if r.get("replica") == 1 and r.get("event") == "probe_failed"]
+    assert dns and dns[0]["kind"] == "dns" and dns[0]["replica_url"] == unresolvable, records
