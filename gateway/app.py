@@ -209,13 +209,18 @@ async def _first_minute(gateway: Gateway) -> list[int]:
     return list(healthy)
 
 
-def _auth(settings: Settings) -> str:
-    admin = ", admin key" if settings.admin_key is not None else ""
-    if settings.runs:
+def _auth(gateway: Gateway) -> str:
+    """The start line's auth, read from the keys the checks enforce
+    (``Credentials.summary``), so it cannot say "on" while requests pass without one."""
+    credentials, settings = gateway.credentials, gateway.settings
+    who = credentials.summary()
+    admin = ", admin key" if credentials.admin_keys else ""
+    if who["clients"] == "run keys":
         return f"on ({len(settings.runs)} run keys{admin})"
-    if settings.api_key is not None:
+    if who["clients"] == "api key":
         return f"on (api key{admin})"
-    return "off, admin key on control calls" if admin else "off"
+    why = "--no-auth" if settings.no_auth else "no key given"
+    return f"off ({why}){', admin key on control calls' if admin else ''}"
 
 
 def _roots(settings: Settings) -> str:
@@ -294,7 +299,7 @@ def create_app(
             "gateway up on http://%s:%d: %d/%d replicas healthy, router %s, max_staleness %s; "
             "version %s, auth %s, adapter roots %s, replicas from %s",
             settings.host, settings.port, len(healthy), len(gateway.pool),
-            gateway.router.name, settings.max_staleness, __version__, _auth(settings),
+            gateway.router.name, settings.max_staleness, __version__, _auth(gateway),
             _roots(settings), source(settings),
         )  # fmt: skip
         try:

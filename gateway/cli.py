@@ -7,9 +7,18 @@ the YAML ``--config`` file (flags win, then env, then file). Secrets also come f
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, get_args
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, get_args
+
+from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from gateway.config import Settings
 
 __all__ = ["main"]
 
@@ -113,6 +122,12 @@ def _serve_parser() -> argparse.ArgumentParser:
         help="additionally require this key for load/unload/pause/resume/reset",
     )
     add("--admin-key-file", metavar="FILE", help="read the admin key from FILE")
+    add(
+        "--no-auth",
+        action="store_true",
+        help="serve clients without a key on a non-loopback --host: the explicit choice of "
+        "no auth (without a key or this, such a start is refused)",
+    )
     add(
         "--max-staleness",
         type=int,
@@ -218,8 +233,8 @@ def serve(argv: Sequence[str]) -> int:
     try:
         settings = load_settings(args, config_file=config_file)
     except (ValueError, OSError) as exc:
-        print(f"rollout-gateway serve: invalid configuration: {_describe(exc)}", file=sys.stderr)
-        return 2
+        return _refuse(f"invalid configuration: {_describe(exc)}")
+        _check_start(settings)
     if not (settings.replicas or settings.discovery_dns or settings.replicas_file):
         print(
             "rollout-gateway serve: give at least one --replica, --discovery-dns or "
@@ -235,10 +250,13 @@ def serve(argv: Sequence[str]) -> int:
     configure_logging(settings.log_format, settings.log_level)
     if workers > 1:
         from gateway.supervisor import supervise
+    try:  # before anything is built: a port taken is the commonest start error
+        sock = _listen(settings, reuse_port=workers > 1)
+    except ValueError as exc:
+        return _refuse(str(exc))
 
-        return supervise(settings, workers)
+        return supervise(settings, workers, sock)
     app = create_app(settings)
-    sock = serving.listen_socket(settings.host, settings.port)
     started = serving.serve(app, sock, lean=app.serve, stopping=app.stopping,
                             shutdown_timeout_s=settings.shutdown_timeout_s)  # fmt: skip
     return 0 if started else 3
@@ -247,11 +265,103 @@ def serve(argv: Sequence[str]) -> int:
 def _describe(exc: ValueError | OSError) -> str:
     """The error without the offending *values*: they may be secrets (a token in the
     wrong field, a replica URL with a password)."""
+def _refuse(message: str) -> int:
+    """A start error: one line on stderr (an operator's mistake, not a bug: no
+    traceback), exit status 2."""
+    print(f"rollout-gateway serve: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
+def _check_start(settings: Settings) -> None:
+    """What ``Settings`` cannot check alone (the parts that own each format, the
+    filesystem), so that a mistake stops the start instead of a traceback when the part
+    first runs, or a 400 on every adapter load minutes later. ``ValueError`` naming the
+    setting and the fix."""
+    from gateway.adapters.naming import NamePattern
+    from gateway.fleet.discovery import parse_dns_target, parse_hostport, parse_replicas_file
+    from gateway.fleet.preflight import open_port_refusal
+    from gateway.http.upstream import upstream_tls
+
+    if refusal := open_port_refusal(settings):
+        raise ValueError(refusal)
+    for root in settings.adapter_roots:
+        _check_root(root, "--adapter-root / GATEWAY_ADAPTER_ROOTS")
+    for i, run in enumerate(settings.runs):
+        _check_root(run.adapter_root, f"runs[{i}].adapter_root (run {run.name})")
+    try:
+        NamePattern(settings.adapter_name_pattern)
+    except ValueError as exc:
+        raise ValueError(f"adapter_name_pattern: {exc}") from None
+    if settings.discovery_dns:
+        parse_dns_target(settings.discovery_dns)
+    if settings.discovery_nameserver:
+        parse_hostport(settings.discovery_nameserver, what="discovery_nameserver")
+    if settings.replicas_file:
+        path = settings.replicas_file
+        try:
+            parse_replicas_file(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or exc.__class__.__name__
+            raise ValueError(f"--replicas-file {path} cannot be read ({why}): give a "
+                             "readable file (it may list no replica yet)") from None  # fmt: skip
+        except ValidationError as exc:
+            raise ValueError(f"--replicas-file {path}: {_describe(exc)}") from None
+    if settings.upstream_ca_file:
+        try:
+            upstream_tls(settings)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            raise ValueError(f"--upstream-ca-file {settings.upstream_ca_file} holds no usable "
+                             f"PEM certificate ({exc.__class__.__name__}): give a PEM CA "
+                             "bundle") from None  # fmt: skip
+
+
+def _check_root(root: Path, where: str) -> None:
+    """An adapter root must be what ``lora_path`` can resolve inside on this host: else
+    every adapter load is a 400 and TRL dies at its first weight sync."""
+    if not root.is_absolute():
+        raise ValueError(f"{where}: {root} is relative: give an absolute path (the replicas "
+                         "read lora_path from their own working directory)")  # fmt: skip
+    if not root.exists():
+        raise ValueError(f"{where}: {root} does not exist: create it (TRL's output_dir), "
+                         "or mount the adapter filesystem before the gateway starts")  # fmt: skip
+    if not root.is_dir():
+        raise ValueError(f"{where}: {root} is not a directory: give the directory TRL "
+                         "saves adapters under")  # fmt: skip
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise ValueError(f"{where}: {root} is not readable by uid {os.geteuid()}: make it "
+                         "readable (the gateway resolves lora_path inside it)")  # fmt: skip
+
+
+def _listen(settings: Settings, reuse_port: bool) -> socket.socket:
+    """The listening socket, or ``ValueError`` naming the setting and the fix."""
+    from gateway.http.server import serving
+
+    host, port = settings.host, settings.port
+    try:
+        return serving.listen_socket(host, port, reuse_port=reuse_port)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: cannot resolve it ({exc.strerror}): give "
+                         "an address of this machine, 0.0.0.0 or 127.0.0.1") from None  # fmt: skip
+    except OSError as exc:
+        fix = {
+            errno.EADDRINUSE: f"--port {port}: {host}:{port} is already in use (another "
+            "process listens there): stop it, or choose another --port",
+            errno.EADDRNOTAVAIL: f"--host {host}: this machine has no such address: give one "
+            "of its addresses, 0.0.0.0 (all) or 127.0.0.1",
+            errno.EACCES: f"--port {port}: permission denied (ports below 1024 need "
+            "privileges): choose a port above 1023",
+            errno.EAFNOSUPPORT: f"--host {host}: this machine has no such address family "
+            "(IPv6 off?): give an IPv4 address",
+        }.get(exc.errno or 0, f"--host {host} --port {port}: cannot listen ({exc.strerror})")
+        raise ValueError(fix) from None
+
+
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
         return "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}"
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: "
+            + e["msg"].removeprefix("Value error, ")
             for e in exc.errors(include_input=False, include_url=False)
         )
     return str(exc)

@@ -25,6 +25,7 @@ import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -35,6 +36,7 @@ from pydantic import (
     SecretStr,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -60,6 +62,7 @@ __all__ = [
 
 _SECRET_FIELDS = ("upstream_token", "api_key", "admin_key")
 _FILE_FORMS = tuple(f"{name}_file" for name in _SECRET_FIELDS)
+_NO_EMPTY = frozenset((*_SECRET_FIELDS, *_FILE_FORMS, "adapter_roots"))
 
 
 def _check_names(names: Iterable[str], known: Iterable[str], where: str) -> None:
@@ -76,9 +79,55 @@ def _check_keys(value: Any, known: Iterable[str], where: str) -> None:
         _check_names(map(str, value), known, where)
 
 
-def _read_secret_file(path: str | os.PathLike[str]) -> str:
-    """Read a one-line secret file; trailing newlines are a mounting artefact, not data."""
-    return Path(path).read_text(encoding="utf-8").strip()
+def _check_secret(value: str, where: str) -> str:
+    """``value`` unless it cannot be a key: an empty key must never read as "no key"
+    (which is "no auth" for the client and admin keys), and a line break in one is a
+    mangled file. ``ValueError`` naming ``where`` (the setting and its source), never the
+    value."""
+    if not value.strip():
+        raise ValueError(f"{where} is empty: give the secret, or remove the setting (no key "
+                         "is no auth: docs/configuration.md, \"Secrets\")")  # fmt: skip
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError(f"{where} holds a line break or control character: a secret is "
+                         "one line")  # fmt: skip
+    return value
+
+
+def _read_secret_file(path: Any, where: str) -> str:
+    """Read a one-line secret file; trailing newlines are a mounting artefact, not data.
+    Each way it can fail is a ``ValueError`` naming ``where``, the path and the fix."""
+    if not isinstance(path, str | os.PathLike):
+        raise ValueError(f"{where} must be a path (a string)")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{where} ({path}): no such file; mount the secret there or fix "
+                         "the path") from None  # fmt: skip
+    except IsADirectoryError:
+        raise ValueError(f"{where} ({path}) is a directory: name the file in it") from None
+    except PermissionError:
+        raise ValueError(f"{where} ({path}) is not readable by uid {os.geteuid()}: make it "
+                         "readable (the image runs as uid 10001)") from None  # fmt: skip
+    except UnicodeDecodeError:
+        raise ValueError(f"{where} ({path}) is not UTF-8 text") from None
+    except OSError as exc:
+        raise ValueError(f"{where} ({path}) cannot be read: {exc.strerror}") from None
+    return _check_secret(text.strip(), f"{where} ({path})")
+
+
+def _structured(value: Any, where: str) -> Any:
+    """A structured setting given as text (JSON in ``GATEWAY_REPLICAS``, ``GATEWAY_RUNS``,
+    ``GATEWAY_ROUTING``; YAML is accepted too) parsed, or ``ValueError`` with the place
+    of the mistake (never the text: a run's key may be in it)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ValueError(f"{where} is not valid JSON{at}: check its brackets, commas and "
+                         "quotes") from None  # fmt: skip
 
 
 class ReplicaSpec(BaseModel):
@@ -97,9 +146,16 @@ class ReplicaSpec(BaseModel):
         _check_keys(value, ("url", "token", "token_file"), "replica key")
         if isinstance(value, Mapping) and "token_file" in value:
             data = {k: v for k, v in value.items() if k != "token_file"}
-            data.setdefault("token", _read_secret_file(value["token_file"]))
+            data.setdefault("token", _read_secret_file(value["token_file"], "token_file"))
             return data
         return value
+
+    @field_validator("token")
+    @classmethod
+    def _check_token(cls, token: SecretStr | None) -> SecretStr | None:
+        if token is not None:
+            _check_secret(token.get_secret_value(), "token")
+        return token
 
     @field_validator("url")
     @classmethod
@@ -107,6 +163,15 @@ class ReplicaSpec(BaseModel):
         url = url.strip().rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise ValueError("replica URL must start with http:// or https://")
+        # What urllib and yarl would raise later, as a traceback, now: the URL itself is
+        # never echoed (it may hold a password).
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018  (raises on a port out of range or not a number)
+        except ValueError as exc:
+            raise ValueError(f"replica URL is malformed ({exc}): give scheme://host:port") from None
+        if not parts.hostname or any(c.isspace() or ord(c) < 32 for c in url):
+            raise ValueError("replica URL has no host, or a space in it: give scheme://host:port")
         return url
 
 
@@ -136,9 +201,15 @@ class RunSpec(BaseModel):
         _check_keys(value, [*cls.model_fields, "key_file"], "run key")
         if isinstance(value, Mapping) and "key_file" in value:
             data = {k: v for k, v in value.items() if k != "key_file"}
-            data.setdefault("key", _read_secret_file(value["key_file"]))
+            data.setdefault("key", _read_secret_file(value["key_file"], "key_file"))
             return data
         return value
+
+    @field_validator("key")
+    @classmethod
+    def _check_key(cls, key: SecretStr) -> SecretStr:
+        _check_secret(key.get_secret_value(), "key")  # an empty key would let anyone in
+        return key
 
 
 class Settings(BaseSettings):
@@ -176,6 +247,11 @@ class Settings(BaseSettings):
     )
     admin_key: SecretStr | None = Field(
         None, description="If set, load/unload/pause/resume/reset also require this key."
+    )
+    no_auth: bool = Field(
+        False,
+        description="Serve clients that present no key on a non-loopback address: the "
+        "explicit choice of no auth (without it, such a start is refused).",
     )
     max_staleness: int = Field(4, ge=0, description="Adapter versions kept per family: S+1.")
     adapter_roots: list[Path] = Field(
@@ -342,14 +418,22 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             text = value.strip()
             if text.startswith("["):
-                return yaml.safe_load(text)
+                return _structured(text, "GATEWAY_REPLICAS")
             return [part for part in (p.strip() for p in text.split(",")) if part]
         return value
 
     @field_validator("runs", mode="before")
     @classmethod
     def _parse_runs(cls, value: Any) -> Any:
-        return yaml.safe_load(value) if isinstance(value, str) else value
+        return _structured(value, "GATEWAY_RUNS")
+
+    @field_validator("upstream_token", "api_key", "admin_key")
+    @classmethod
+    def _no_empty_secret(cls, value: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        """However ``Settings`` is built: an empty key is refused, never "no key"."""
+        if value is not None:
+            _check_secret(value.get_secret_value(), str(info.field_name))
+        return value
 
     _source: _FileSource | None = PrivateAttr(None)
     """The config file as read at start (``load_settings``): what a reload re-reads."""
@@ -357,6 +441,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check_runs(self) -> Settings:
         _check_run_set(self.runs, self.api_key)
+        if self.no_auth and (self.api_key or self.runs):
+            raise ValueError("no_auth (--no-auth) contradicts the client keys that are set "
+                             "(api_key or runs): drop one")  # fmt: skip
         if self.workers != 1 and (self.discovery_dns or self.replicas_file):
             raise ValueError("workers > 1 needs a static replica list (no discovery yet)")
         return self
@@ -387,15 +474,26 @@ class Settings(BaseSettings):
 
     @field_validator("routing", mode="before")
     @classmethod
-    def _parse_routing(cls, value: Any) -> Any:  # keys checked now, not when routing starts
-        value = yaml.safe_load(value) if isinstance(value, str) else value
+    def _parse_routing(cls, value: Any) -> Any:  # checked now, not when routing starts
+        value = _structured(value, "GATEWAY_ROUTING")
         _check_keys(value, [f.name for f in dataclasses.fields(RoutingConfig)], "routing key")
+        if isinstance(value, Mapping):
+            try:
+                RoutingConfig(**value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{exc}; see docs/routing.md") from None
         return value
 
     @field_validator("adapter_roots", mode="before")
     @classmethod
     def _split_roots(cls, value: Any) -> Any:
-        return [p for p in value.split(os.pathsep) if p] if isinstance(value, str) else value
+        if not isinstance(value, str):
+            return value
+        roots = [p for p in value.split(os.pathsep) if p.strip()]
+        if not roots:  # "no roots" means any lora_path: never by an empty variable
+            raise ValueError(f"names no directory: give DIR[{os.pathsep}DIR...], or leave "
+                             "GATEWAY_ADAPTER_ROOTS unset to accept any lora_path")  # fmt: skip
+        return roots
 
     def token_for(self, index: int) -> SecretStr | None:
         """The bearer token for replica ``index``: its own, else the global one."""
@@ -443,12 +541,24 @@ _SLOTS = TypeAdapter(Annotated[int | None, Field(ge=1)])
 def _read_file(path: Path) -> dict[str, Any]:
     try:
         loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} (--config / GATEWAY_CONFIG): no such file; "
+                         "fix the path") from None  # fmt: skip
+    except IsADirectoryError:
+        raise ValueError(f"config file {path} (--config / GATEWAY_CONFIG) is a directory: "
+                         "name the YAML file in it") from None  # fmt: skip
+    except PermissionError:
+        raise ValueError(f"config file {path} (--config / GATEWAY_CONFIG) is not readable "
+                         f"by uid {os.geteuid()}: make it readable") from None  # fmt: skip
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {path} is not UTF-8 text") from None
     except yaml.YAMLError as exc:  # its text may quote a line holding a key: never shown
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise ValueError(f"config file {path} is not valid YAML{where}") from None
     if not isinstance(loaded, dict):
-        raise ValueError(f"config file {path} must hold a mapping")
+        raise ValueError(f"config file {path} must hold a mapping (setting: value lines), "
+                         f"not a {type(loaded).__name__}")  # fmt: skip
     data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
     _check_keys(data, [*Settings.model_fields, *_FILE_FORMS], f"setting in {path}")
     return data
@@ -537,10 +647,12 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, str]:
     names = [*Settings.model_fields, *_FILE_FORMS]
     known = {f"GATEWAY_{name.upper()}" for name in names} | {"GATEWAY_CONFIG"}
     _check_names([k for k in environ if k.startswith("GATEWAY_")], known, "environment variable")
+    # Empty is "unset", except where unset opens a door (no key: no auth; no root: any
+    # lora_path): there an empty variable (a shell's unset $KEY) is refused by the checks.
     return {
-        name: environ[f"GATEWAY_{name.upper()}"]
+        name: value
         for name in names
-        if environ.get(f"GATEWAY_{name.upper()}")
+        if (value := environ.get(f"GATEWAY_{name.upper()}")) or (value == "" and name in _NO_EMPTY)
     }
 
 
@@ -555,12 +667,23 @@ def _pick_secrets(layers: Mapping[str, dict[str, Any]]) -> None:
             for key, given in ((name, value), (file_key, path)):
                 if given is not None and not isinstance(given, str):  # shadowed or not
                     raise ValueError(f"{key} given by {where} must be a string (quote it)")
-            if chosen or not (value or path):
+                if given is not None:  # an empty one is a mistake, shadowed or not
+                    _check_secret(given, _origin(where, key))
+            if chosen or (value is None and path is None):
                 continue
-            if value and path:
+            if value is not None and path is not None:
                 raise ValueError(f"{name} and {file_key} are both set by {where}; give one")
-            layer[name] = value or _read_secret_file(path)
+            read = value if value is not None else _read_secret_file(path, _origin(where, file_key))
+            layer[name] = read
             chosen = True
+
+
+def _origin(where: str, key: str) -> str:
+    """How the operator spelled ``key`` in layer ``where``: what an error must name."""
+    return {
+        "flags": f"--{key.replace('_', '-')}",
+        "the environment": f"GATEWAY_{key.upper()}",
+    }.get(where, f"{key} in {where}")
 
 
 def load_settings(
@@ -584,7 +707,8 @@ def load_settings(
         shadowed = any(k in layer for layer in (flag_data, env_data) for k in _RELOADED)
         runs_from_file = "runs" in file_data and not shadowed
         source = _FileSource(Path(path), dict(file_data), runs_from_file)
-    _pick_secrets({"flags": flag_data, "the environment": env_data, "the config file": file_data})
+    _pick_secrets({"flags": flag_data, "the environment": env_data,
+                   f"the config file {path}": file_data})  # fmt: skip
 
     class _Sourced(Settings):
         @classmethod

@@ -94,6 +94,7 @@ class Gateway:
             ],
             "in_flight": self.ledger.admission.in_flight,
             "paused": self.control.paused is not None,
+            "auth": self.credentials.summary(),
             "routing": self.metrics.routing_counts(),
             **self.mode.adapter_status(viewer),
         }

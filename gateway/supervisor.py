@@ -65,12 +65,12 @@ _RESTARTS, _RESTART_WINDOW_S = 5, 30.0
 """A worker that dies this often within the window: give up (the whole gateway exits)."""
 
 
-def supervise(settings: Settings, workers: int) -> int:
-    """Run the gateway as an owner and ``workers`` workers until SIGTERM; the exit code."""
+def supervise(settings: Settings, workers: int, reserve: socket.socket) -> int:
+    """Run the gateway as an owner and ``workers`` workers until SIGTERM; the exit code.
+    ``reserve``: the port, bound with ``SO_REUSEPORT`` by the caller (which says in one
+    line why it could not be) and never listening: it holds the port for the workers'
+    binds (of this user only) and gets no connections."""
     rundir = Path(tempfile.mkdtemp(prefix="rollout-gateway-"))  # 0700: only this user
-    # Bound, never listening: holds the port (for SO_REUSEPORT binders of this user
-    # only) and gets no connections.
-    reserve = listen_socket(settings.host, settings.port, reuse_port=True)
     port = reserve.getsockname()[1]
     stopping: list[int] = []
     fork = multiprocessing.get_context("fork")

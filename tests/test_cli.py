@@ -11,9 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from rollout_testbed.procs import free_port, wait_http
+from rollout_testbed.procs import Proc, free_port, wait_http
 
-from tests.conftest import CLIENT_KEY, UPSTREAM_TOKEN
+from tests.conftest import ADMIN_KEY, CLIENT_KEY, UPSTREAM_TOKEN
+from tests.deploy._proc import base_env
 
 PY = sys.executable
 
@@ -118,3 +119,86 @@ def test_a_replica_down_at_start_is_a_warning_naming_it(sim_replica: str) -> Non
     assert f"replica 1 (http://127.0.0.1:{dead}) is down at start" in " ".join(warnings)
     [up] = [r["message"] for r in records if "gateway up" in r["message"]]
     assert "1/2 replicas healthy" in up
+
+
+# --- auth: a key from every source is enforced, and the gateway says so ----------------
+
+
+def _gateway(args: list[str], env: dict[str, str], log: Path) -> Proc:
+    port = free_port()
+    argv = [str(Path(PY).parent / "rollout-gateway"), "serve", "--port", str(port), *args]
+    return Proc("gateway", argv, log, env=base_env(env), url=f"http://127.0.0.1:{port}",
+                new_session=False)  # fmt: skip
+
+
+def _up_line(log: Path) -> str:
+    [up] = [line for line in log.read_text().splitlines() if "gateway up on" in line]
+    return up
+
+
+@pytest.mark.parametrize("source", ["flag", "flag-file", "env", "env-file", "yaml", "yaml-file"])
+def test_an_api_key_from_every_source_is_enforced(
+    source: str, sim_replica: str, tmp_path: Path
+) -> None:
+    """Each way of giving the client key: a request without it is a 401, with it a 200;
+    the start line and /gateway/status say the same as what is enforced."""
+    key_file = tmp_path / "api-key"
+    key_file.write_text(CLIENT_KEY + "\n")
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text({"yaml": f"api_key: {CLIENT_KEY}\n",
+                    "yaml-file": f"api_key_file: {key_file}\n"}.get(source, "{}\n"))  # fmt: skip
+    args = {"flag": ["--api-key", CLIENT_KEY], "flag-file": ["--api-key-file", str(key_file)]}
+    env = {
+        "env": {"GATEWAY_API_KEY": CLIENT_KEY},
+        "env-file": {"GATEWAY_API_KEY_FILE": str(key_file)},
+    }
+    log = tmp_path / "gw.log"
+    argv = ["--replica", sim_replica, "--config", str(cfg), *args.get(source, [])]
+    with _gateway(argv, env.get(source, {}), log) as gw:
+        gw.wait_http("/metrics", request_timeout=1.0)
+        body = {"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 2}
+        auth = {"Authorization": f"Bearer {CLIENT_KEY}"}
+        assert httpx.post(f"{gw.url}/v1/completions", json=body, timeout=10).status_code == 401
+        assert httpx.get(f"{gw.url}/gateway/status", timeout=10).status_code == 401
+        assert httpx.post(f"{gw.url}/pause", timeout=10).status_code == 401
+        ok = httpx.post(f"{gw.url}/v1/completions", json=body, headers=auth, timeout=10)
+        assert ok.status_code == 200
+        status = httpx.get(f"{gw.url}/gateway/status", headers=auth, timeout=10).json()
+        assert status["auth"] == {"clients": "api key", "control": "api key"}
+    assert "auth on (api key)," in _up_line(log)
+    assert CLIENT_KEY not in log.read_text()
+
+
+def test_an_admin_key_file_keeps_the_client_key_off_control_calls(
+    sim_replica: str, tmp_path: Path
+) -> None:
+    admin_file = tmp_path / "admin-key"
+    admin_file.write_text(ADMIN_KEY + "\n")
+    log = tmp_path / "gw.log"
+    argv = ["--replica", sim_replica, "--api-key", CLIENT_KEY, "--admin-key-file", str(admin_file)]
+    with _gateway(argv, {}, log) as gw:
+        gw.wait_http("/metrics", request_timeout=1.0)
+        client = {"Authorization": f"Bearer {CLIENT_KEY}"}
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        assert httpx.post(f"{gw.url}/pause", headers=client, timeout=10).status_code == 401
+        assert httpx.post(f"{gw.url}/resume", headers=admin, timeout=10).status_code == 200
+        status = httpx.get(f"{gw.url}/gateway/status", headers=client, timeout=10).json()
+        assert status["auth"] == {"clients": "api key", "control": "admin key"}
+    assert "auth on (api key, admin key)," in _up_line(log)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_no_auth_is_said_as_such(host: str, sim_replica: str, tmp_path: Path) -> None:
+    """Without a key: open on loopback, by ``--no-auth`` only beyond it (a start without
+    either is refused: tests/test_start_errors.py); the start line says which, the
+    exposure warning appears beyond loopback, and /gateway/status says "none"."""
+    log = tmp_path / "gw.log"
+    chosen = ["--no-auth"] if host == "0.0.0.0" else []
+    with _gateway(["--replica", sim_replica, "--host", host, *chosen], {}, log) as gw:
+        gw.wait_http("/metrics", request_timeout=1.0)
+        status = httpx.get(f"{gw.url}/gateway/status", timeout=10).json()
+        assert status["auth"] == {"clients": "none", "control": "none"}
+    why = "--no-auth" if chosen else "no key given"
+    assert f"auth off ({why})," in _up_line(log)
+    warned = [line for line in log.read_text().splitlines() if "not loopback" in line]
+    assert bool(warned) is bool(chosen), warned

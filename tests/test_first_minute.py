@@ -102,7 +102,9 @@ def test_one_warning_per_replica_lacking_what_trl_needs(fleet: list[str], tmp_pa
     assert not [w for w in warnings if "not loopback" in w]
     up = _up_line(records)
     assert up.startswith("gateway up on http://127.0.0.1:") and "4/5 replicas healthy" in up
-    assert f"version {__version__}, auth off, adapter roots none (any lora_path)" in up
+    assert (
+        f"version {__version__}, auth off (no key given), adapter roots none (any lora_path)" in up
+    )
     assert up.endswith("replicas from static list (5)")
 
 
@@ -125,14 +127,20 @@ def test_open_port_without_key_warns_and_a_key_silences_it(
     replicas.write_text(fleet[0] + "\n")
     roots = [str(tmp_path / "a"), str(tmp_path / "b")]
     args = ["--host", "0.0.0.0", "--replicas-file", str(replicas), "--adapter-root", roots[0],
+    for root in roots:
+        Path(root).mkdir()  # a root that does not exist is refused at start
             "--adapter-root", roots[1]]  # fmt: skip
-    records = _start(args, _env(), tmp_path / "open.log")
+    # No key beyond loopback is refused unless chosen (tests/test_start_errors.py).
+    records = _start([*args, "--no-auth"], _env(), tmp_path / "open.log")
     [open_] = [r["message"] for r in records if "not loopback" in r["message"]]
     assert [r["level"] for r in records if "not loopback" in r["message"]] == ["WARNING"]
     assert open_.startswith("listening on 0.0.0.0, not loopback, with no API key")
     assert "load adapters, pause the fleet" in open_
     up = _up_line(records)
-    assert f"auth off, adapter roots {roots[0]}, {roots[1]}, replicas from file {replicas}" in up
+    assert (
+        f"auth off (--no-auth), adapter roots {roots[0]}, {roots[1]}, replicas from file {replicas}"
+        in up
+    )
     records = _start(args, _env(GATEWAY_API_KEY=CLIENT_KEY), tmp_path / "keyed.log")
     assert not [r for r in records if "not loopback" in r["message"]]
     assert "auth on (api key)" in _up_line(records)

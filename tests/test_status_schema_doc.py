@@ -186,6 +186,8 @@ def test_single_run(sims: list[str], tmp_path: Path) -> None:
 def test_multi_run(sims: list[str], tmp_path: Path) -> None:
     """Multi-run mode: the admin view (every run) and a run's own view."""
     config = tmp_path / "runs.yaml"
+    (tmp_path / "a").mkdir()  # adapter roots must exist at start
+    (tmp_path / "b").mkdir()
     config.write_text(
         f"admin_key: {ADMIN_KEY}\n"
         "runs:\n"

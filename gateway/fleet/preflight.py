@@ -29,7 +29,14 @@ if TYPE_CHECKING:
     from gateway.config import Settings
     from gateway.http.upstream import Upstream
 
-__all__ = ["Capabilities", "check_replica", "exposure_warning", "replica_warning", "source"]
+__all__ = [
+    "Capabilities",
+    "check_replica",
+    "exposure_warning",
+    "open_port_refusal",
+    "replica_warning",
+    "source",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +122,24 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def open_port_refusal(settings: Settings) -> str | None:
+    """Why the gateway must not start, if it would serve a non-loopback address with no
+    client key and the operator did not choose that (``--no-auth``): no auth is never what
+    a forgotten or unset key silently gives beyond this host (Redis' protected mode)."""
+    if _loopback(settings.host) or settings.api_key is not None or settings.runs:
+        return None
+    if settings.no_auth:
+        return None
+    return (
+        f"--host {settings.host} is not loopback and no client key is set: give "
+        "--api-key-file (or GATEWAY_API_KEY_FILE), or choose no auth with --no-auth "
+        "(GATEWAY_NO_AUTH=true), or listen on 127.0.0.1"
+    )
+
+
 def exposure_warning(settings: Settings) -> str | None:
-    """A warning when anyone who can reach the port may use the fleet unauthenticated."""
+    """A warning when anyone who can reach the port may use the fleet unauthenticated
+    (``--no-auth``, or a start that skipped ``open_port_refusal``)."""
     if _loopback(settings.host) or settings.api_key is not None or settings.runs:
         return None
     control = "" if settings.admin_key is not None else ", load adapters, pause the fleet"

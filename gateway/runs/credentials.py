@@ -11,6 +11,8 @@ from __future__ import annotations
 import hmac
 from collections.abc import Sequence
 
+from pydantic import SecretStr
+
 from gateway.config import Settings
 from gateway.errors import Unauthorized
 from gateway.runs.table import presented_credential
@@ -36,13 +38,24 @@ def check_key(authorization: bytes | None, keys: Sequence[bytes], what: str) -> 
 
 class Credentials:
     def __init__(self, settings: Settings, tenancy: Tenancy) -> None:
-        admin = settings.admin_key.get_secret_value().encode() if settings.admin_key else None
-        client = settings.api_key.get_secret_value().encode() if settings.api_key else None
-        self.admin_keys: tuple[bytes, ...] = (admin,) if admin else ()
+        admin = _key(settings.admin_key)
+        client = _key(settings.api_key)
+        self.admin_keys: tuple[bytes, ...] = (admin,) if admin is not None else ()
         self.client_keys: tuple[bytes, ...] = (
-            tuple(k for k in (client, admin) if k) if client else ()
+            tuple(k for k in (client, admin) if k is not None) if client is not None else ()
         )
         self._tenancy = tenancy
+
+    def summary(self) -> dict[str, str]:
+        """Which key each kind of call needs, read from the very keys the checks compare
+        against: the start line and ``/gateway/status`` show this, so neither can claim
+        more auth than is enforced. ``clients``: rollouts, models, status; ``control``:
+        load, unload, pause, resume, reset. Each is ``api key``, ``admin key``, ``run
+        keys`` or ``none``."""
+        if self._tenancy.multi:
+            return {"clients": "run keys", "control": "run keys"}
+        clients = "api key" if self.client_keys else "none"
+        return {"clients": clients, "control": "admin key" if self.admin_keys else clients}
 
     def tenant(self, authorization: bytes | None) -> Tenant:
         """The request's run: single-run mode's one run once the client key checks out, or
@@ -55,3 +68,13 @@ class Credentials:
 
     def check_admin(self, authorization: bytes | None) -> None:
         check_key(authorization, self.admin_keys, "admin key")
+
+
+def _key(secret: SecretStr | None) -> bytes | None:
+    """A configured key's bytes. Fails closed: an empty key is an error here too (config
+    refuses it at start), never "no key", which would open what it was meant to guard."""
+    if secret is None:
+        return None
+    if not (key := secret.get_secret_value().encode()).strip():
+        raise ValueError("an empty key is configured: refusing to serve without auth")
+    return key
