@@ -232,9 +232,9 @@ def serve(argv: Sequence[str]) -> int:
     config_file = args.pop("config", None)
     try:
         settings = load_settings(args, config_file=config_file)
+        _check_start(settings)
     except (ValueError, OSError) as exc:
         return _refuse(f"invalid configuration: {_describe(exc)}")
-        _check_start(settings)
     if not (settings.replicas or settings.discovery_dns or settings.replicas_file):
         print(
             "rollout-gateway serve: give at least one --replica, --discovery-dns or "
@@ -247,13 +247,13 @@ def serve(argv: Sequence[str]) -> int:
         print("rollout-gateway serve: --workers above 1 needs a static --replica list "
               "(discovery is one-process only)", file=sys.stderr)  # fmt: skip
         return 2
-    configure_logging(settings.log_format, settings.log_level)
-    if workers > 1:
-        from gateway.supervisor import supervise
     try:  # before anything is built: a port taken is the commonest start error
         sock = _listen(settings, reuse_port=workers > 1)
     except ValueError as exc:
         return _refuse(str(exc))
+    configure_logging(settings.log_format, settings.log_level)
+    if workers > 1:
+        from gateway.supervisor import supervise
 
         return supervise(settings, workers, sock)
     app = create_app(settings)
@@ -262,9 +262,6 @@ def serve(argv: Sequence[str]) -> int:
     return 0 if started else 3
 
 
-def _describe(exc: ValueError | OSError) -> str:
-    """The error without the offending *values*: they may be secrets (a token in the
-    wrong field, a replica URL with a password)."""
 def _refuse(message: str) -> int:
     """A start error: one line on stderr (an operator's mistake, not a bug: no
     traceback), exit status 2."""
@@ -356,6 +353,9 @@ def _listen(settings: Settings, reuse_port: bool) -> socket.socket:
         raise ValueError(fix) from None
 
 
+def _describe(exc: ValueError | OSError) -> str:
+    """The error without the offending *values*: they may be secrets (a token in the
+    wrong field, a replica URL with a password)."""
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):

@@ -126,9 +126,9 @@ def test_open_port_without_key_warns_and_a_key_silences_it(
     replicas = tmp_path / "replicas.txt"
     replicas.write_text(fleet[0] + "\n")
     roots = [str(tmp_path / "a"), str(tmp_path / "b")]
-    args = ["--host", "0.0.0.0", "--replicas-file", str(replicas), "--adapter-root", roots[0],
     for root in roots:
         Path(root).mkdir()  # a root that does not exist is refused at start
+    args = ["--host", "0.0.0.0", "--replicas-file", str(replicas), "--adapter-root", roots[0],
             "--adapter-root", roots[1]]  # fmt: skip
     # No key beyond loopback is refused unless chosen (tests/test_start_errors.py).
     records = _start([*args, "--no-auth"], _env(), tmp_path / "open.log")
