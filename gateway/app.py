@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -44,6 +43,7 @@ from gateway.fleet.rotation import Rotation
 from gateway.fleet.selection import Selection
 from gateway.fleet.shared import SharedOutlierDetector, SharedRetryBudget, SharedState
 from gateway.http.server.disconnect import ClientDisconnected
+from gateway.http.server.signals import on_hangup
 from gateway.http.upstream import Upstream, make_session, upstream_tls
 from gateway.metrics import Metrics
 from gateway.roles import ALONE, LoadsFeed, Peers, Reporter
@@ -251,6 +251,82 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
                     media_type="application/json")  # fmt: skip
 
 
+class Reloads:
+    """What SIGHUP does in one gateway process (with ``serve --workers N``, in the owner:
+    the supervisor passes the signal on): re-read what this gateway reads while it runs,
+    then log one line saying what that was and what came of it, or that there is nothing
+    to re-read in this mode. The replicas come from the replicas file or the DNS name
+    (discovery), the run set from the config file (multi-run mode); every other setting
+    applies at start only. The signal's default action, the end of the process (exit 129,
+    no line), is never what an operator who sends it wants (``docs/operations.md``,
+    "Signals"). Reloads run one at a time, in the order the signals came."""
+
+    def __init__(self, settings: Settings, gateway: Gateway, discovery: Discovery) -> None:
+        self.settings = settings
+        self.gateway = gateway
+        self.discovery = discovery
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def hangup(self) -> None:
+        """SIGHUP's loop callback (``on_hangup``): start a reload."""
+        task = asyncio.get_running_loop().create_task(self._logged(), name="gateway-sighup")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _logged(self) -> None:
+        async with self._lock:
+            try:
+                line, reloaded = await self.reload()
+            except Exception:  # one bad reload must not end the gateway
+                log.exception("SIGHUP: reload failed; the gateway serves on as before")
+                return
+        level = logging.INFO if reloaded else logging.WARNING
+        log.log(level, "SIGHUP: %s", line, extra={"event": "sighup"})
+
+    async def reload(self) -> tuple[str, bool]:
+        """Re-read now; the line to log, and whether anything was re-read."""
+        gateway, done = self.gateway, []
+        if self.discovery.dynamic:
+            await self.discovery.reread()
+            pool = gateway.pool
+            done.append(f"re-read {self._replica_sources()}: {len(pool)} replicas in the "
+                        f"pool, {len(pool.healthy_indices())} healthy")  # fmt: skip
+        if gateway.mode.reloads_runs:
+            done.append(await self._runs())
+        elif done:
+            done.append("no run set to reload (single-run mode)")
+        if not done:
+            return ("nothing to reload in this mode (single-run mode has no run set; replicas "
+                    "from --replica only, no --replicas-file or --discovery-dns; every other "
+                    "setting, a --config file's included, applies at start only); "
+                    "ignored"), False  # fmt: skip
+        return "; ".join(done), True
+
+    def _replica_sources(self) -> str:
+        settings = self.settings
+        found = [f"DNS name {settings.discovery_dns}"] if settings.discovery_dns else []
+        if settings.replicas_file:
+            found.append(f"replicas file {settings.replicas_file}")
+        return " and ".join(found)
+
+    async def _runs(self) -> str:
+        gateway = self.gateway
+        try:
+            answer = await gateway.mode.reload(gateway.fleet, "SIGHUP")
+        except GatewayError as exc:  # refused: logged, and counted, as such
+            return f"run set: {exc.message}"
+        changes = ", ".join(f"{k} {v}" for k, v in answer.items() if k != "outcome" and v)
+        return (f"run set re-read from the config file: {answer['outcome']}"
+                f"{f' ({changes})' if changes else ''}; {len(gateway.tenancy.tenants)} runs "
+                "serving")  # fmt: skip
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
 def create_app(
     settings: Settings,
     attach: Callable[[], AbstractAsyncContextManager[None]] | None = None,
@@ -285,15 +361,10 @@ def create_app(
         if discovery.dynamic:
             tasks.append(asyncio.create_task(discovery.run(), name="gateway-discovery"))
 
-        def hangup() -> None:  # SIGHUP: re-read the replicas file and the run set now
-            discovery.wake()
-            gateway.mode.wake()
-
-        hup = False
-        if discovery.dynamic or gateway.mode.reloads_runs:
-            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
-                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, hangup)
-                hup = True
+        # SIGHUP, in every mode: re-read what can be, or say there is nothing to.
+        reloads = Reloads(settings, gateway, discovery)
+        hangups = contextlib.ExitStack()  # closed first thing on the way out
+        hangups.enter_context(on_hangup(reloads.hangup))
         healthy = await _first_minute(gateway)
         log.info(
             "gateway up on http://%s:%d: %d/%d replicas healthy, router %s, max_staleness %s; "
@@ -306,8 +377,8 @@ def create_app(
             async with attach() if attach is not None else contextlib.nullcontext():
                 yield
         finally:
-            if hup:
-                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            hangups.close()
+            await reloads.aclose()
             for task in tasks:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

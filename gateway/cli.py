@@ -223,6 +223,9 @@ def _workers(text: str) -> int | str:
 
 
 def serve(argv: Sequence[str]) -> int:
+    from gateway.http.server.signals import announce_signals
+
+    announce_signals()  # first: no signal ends the gateway unannounced (docs/operations.md)
     from gateway.app import create_app
     from gateway.config import load_settings
     from gateway.http.server import serving

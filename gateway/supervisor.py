@@ -31,6 +31,7 @@ import socket
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from gateway.app import build_gateway, create_app
 from gateway.config import Settings, current_runs
 from gateway.fleet.shared import SharedState
 from gateway.http.server.serving import Stopping, listen_socket, serve
+from gateway.http.server.signals import announce_signals, on_hangup
 from gateway.runs.mode import WorkerRuns
 from gateway.workers.owner import Hub, SyncBeforeAnswer
 from gateway.workers.snapshot import SnapshotFeed
@@ -87,11 +89,17 @@ def supervise(settings: Settings, workers: int, reserve: socket.socket) -> int:
     owners: list[BaseProcess] = []  # the owner now (it is restarted if it dies)
 
     def hangup(signum: int, _frame: object) -> None:
-        # SIGHUP re-reads the replicas file and the run set: the owner's work (it tells
-        # the workers); the default action would end the whole gateway.
-        if owners and owners[-1].pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(owners[-1].pid, signal.SIGHUP)
+        # SIGHUP reloads what can be: the owner's work (it tells the workers, and logs
+        # what it did); the default action would end the whole gateway.
+        pid = owners[-1].pid if owners and owners[-1].is_alive() else None
+        if pid is None:
+            log.warning("SIGHUP ignored: no owner process right now (starting or "
+                        "restarting); nothing to reload", extra={"event": "sighup"})  # fmt: skip
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGHUP)
+        log.info("SIGHUP: passed to the owner (pid %d), which reloads", pid,
+                 extra={"event": "sighup"})  # fmt: skip
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, hangup)
@@ -167,14 +175,16 @@ def _stop(procs: list[BaseProcess], timeout: float) -> None:
 
 
 def _child(parent: int, target: Callable[..., None], *args: object) -> None:
-    """In a forked child: die with the supervisor, default signals, then ``target``."""
+    """In a forked child: die with the supervisor, its own signal handlers, then
+    ``target``."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the supervisor died before prctl took effect
         os._exit(1)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn's, once the child serves
         signal.signal(sig, signal.SIG_DFL)
+    announce_signals()  # not the supervisor's SIGHUP: that one signals the owner
     target(*args)
 
 
@@ -209,6 +219,14 @@ def _owner_main(settings: Settings, shared: SharedState, workers: int, rundir: P
     _serve(SyncBeforeAnswer(app, hub), sock, settings, lean=False, stopping=app.stopping)
 
 
+def _not_here(worker: int) -> None:
+    """SIGHUP reached a data-plane worker (alone, or with the whole process group, as when
+    a terminal closes): the owner reloads, so the worker only says so."""
+    log.warning("SIGHUP to data-plane worker %d (pid %d) ignored: send it to the "
+                "supervisor (pid %d), which passes it to the owner, which reloads", worker,
+                os.getpid(), os.getppid(), extra={"event": "sighup"})  # fmt: skip
+
+
 def _worker_main(
     settings: Settings, shared: SharedState, worker: int, workers: int, rundir: Path,
     port: int,
@@ -229,6 +247,8 @@ def _worker_main(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         runs = WorkerRuns(gw.tenancy, settings.broadcast_timeout_s)
         follower = Follower(gw, worker, str(rundir / _CONTROL), link, feed, runs)
+        hangups = contextlib.ExitStack()  # a worker reloads nothing: the owner does
+        hangups.enter_context(on_hangup(partial(_not_here, worker)))
         reader = await follower.connect(timeout=30.0)
         tasks = [
             asyncio.create_task(follower.run(reader), name="gateway-follow"),
@@ -239,6 +259,7 @@ def _worker_main(
         try:
             yield
         finally:
+            hangups.close()
             for task in tasks:
                 task.cancel()
             await runs.aclose()

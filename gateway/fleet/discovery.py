@@ -25,7 +25,6 @@ replica is reconciled before it gets adapter traffic).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import socket
@@ -180,16 +179,16 @@ class Discovery:
         self._dns_urls: list[str] = []
         self._file_specs: list[ReplicaSpec] = []
         self._file_stamp: tuple[float, int] | None = None
-        self._wake = asyncio.Event()
 
     @property
     def dynamic(self) -> bool:
         return self.dns is not None or self.file is not None
 
-    def wake(self) -> None:
-        """Re-read now (SIGHUP), instead of at the next interval."""
-        self._wake.set()
+    async def reread(self) -> None:
+        """Re-read every source now, the file even if it looks unchanged, and apply the
+        result (SIGHUP: the caller reports what the pool holds afterwards)."""
         self._file_stamp = None
+        await self.refresh()
 
     async def resolve(self, target: DnsTarget) -> list[str]:
         if self.nameserver is not None:
@@ -253,12 +252,9 @@ class Discovery:
         await self._apply(await self.desired())
 
     async def run(self) -> None:
-        """Refresh every interval (or on ``wake``) until cancelled."""
+        """Refresh every interval until cancelled (SIGHUP's re-read is ``reread``)."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.interval):
-                    await self._wake.wait()
-            self._wake.clear()
+            await asyncio.sleep(self.interval)
             try:
                 await self.refresh()
             except Exception:  # the loop must outlive any one bad round
