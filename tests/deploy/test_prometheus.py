@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from rollout_testbed.procs import free_port
+from rollout_testbed.procs import free_port, sim_fleet
 
 from tests.cluster import cluster
 from tests.deploy._proc import REPO, process
@@ -363,3 +363,64 @@ async def test_real_prometheus_scrapes_gateway_under_load(tmp_path: Path) -> Non
                 for expr in dashboard_expressions(load_dashboard()):
                     await _query(api, substitute(expr))
                 print(f"routing decisions {decisions:.1f}/s, adapter load p90 {p90 * 1e3:.1f} ms")
+
+
+def _prometheus_config(tmp_path: Path, target: str) -> Path:
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(PROM_DIR / "alerts.yml")],
+        "scrape_configs": [
+            {"job_name": "rollout-gateway", "static_configs": [{"targets": [target]}]}
+        ],
+    }
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+async def test_real_prometheus_alerts_on_the_first_failure(tmp_path: Path) -> None:
+    """The real CLI over two sim replicas, scraped every second by a real Prometheus with
+    the recommended rules. One failed adapter load and one refused /pause, each the first
+    and only failure of its kind (TRL stops at its first), put
+    RolloutGatewayAdapterLoadFailing and RolloutGatewayControlCallFailing in pending (they
+    fire after their ``for:``, not waited for here): Prometheus saw the series at 0 first."""
+    with sim_fleet(2, tmp_path) as f:
+        config = _prometheus_config(tmp_path, f.url.removeprefix("http://"))
+        port = free_port()
+        cmd = [str(tool("prometheus")), f"--config.file={config}",
+               f"--storage.tsdb.path={tmp_path / 'data'}",
+               f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]  # fmt: skip
+        with process(cmd, log=tmp_path / "prometheus.log"):
+            async with (
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as api,
+                httpx.AsyncClient(base_url=f.url, timeout=30) as gw,
+            ):
+                await eventually(
+                    lambda: _ready(api), "Prometheus ready", interval=0.2, ignore=(httpx.HTTPError,)
+                )
+                # Two scrapes of the gateway before anything fails.
+                await _until(api, 'count_over_time(up{job="rollout-gateway"}[5m]) >= 2')
+                faults = {"load_error": 1, "pause_error": 1}
+                r = await gw.post(f.sims[0].url + "/sim/faults", json=faults)
+                assert r.status_code == 200, r.text
+                load = {"lora_name": "trl-policy-v1", "lora_path": str(tmp_path / "v1")}
+                assert (await gw.post("/v1/load_lora_adapter", json=load)).status_code == 502
+                assert (await gw.post("/pause")).status_code == 502
+
+                async def alerting() -> set[tuple[str, str]] | None:
+                    body = (await api.get("/api/v1/alerts")).json()
+                    found = {
+                        (
+                            a["labels"]["alertname"],
+                            a["labels"].get("outcome") or a["labels"].get("call", ""),
+                        )
+                        for a in body["data"]["alerts"]
+                        if a["state"] in ("pending", "firing")
+                    }
+                    wanted = {("RolloutGatewayAdapterLoadFailing", "rejected"),
+                              ("RolloutGatewayControlCallFailing", "pause")}  # fmt: skip
+                    return found if wanted <= found else None
+
+                found = await eventually(alerting, "both alerts pending after one failure each",
+                                         timeout=60, interval=0.5)  # fmt: skip
+                print(f"alerts after the first failures: {sorted(found or ())}")
