@@ -331,3 +331,31 @@ def test_the_label_sets_born_at_zero_cover_the_codes_values() -> None:
     assert {r.value for r in Refusal} == set(ADMISSION_REFUSALS)
     paths = {p.rsplit("/", 1)[-1] for p in (PAUSE, RESUME, RESET)}
     assert paths == set(CONTROL_CALLS)
+
+
+@pytest.mark.timeout(180)
+async def test_with_two_workers_a_refused_connection_counts_once(tmp_path: Path) -> None:
+    """``serve --workers 2``: a worker that cannot reach a replica counts the upstream
+    error in its own series and tells the owner, which ejects the replica without
+    counting it again (the merged /metrics sums both). Each refused connection is retried
+    on the other replica, so upstream errors equal retries."""
+    args = ["--workers", "2", "--health-interval-s", "60"]  # no probe ejects it first
+    with sim_fleet(2, tmp_path, gateway_args=args) as f:
+        f.sims[1].stop()
+        async with httpx.AsyncClient(base_url=f.url, timeout=10) as client:
+
+            async def ejected() -> str | None:
+                for i in range(4):  # fresh connections: both workers take some
+                    async with httpx.AsyncClient(base_url=f.url, timeout=10) as one:
+                        body = {"model": "tiny-base", "prompt": f"question {i} " * 20,
+                                "max_tokens": 2}  # fmt: skip
+                        r = await one.post("/v1/completions", json=body)
+                        assert r.status_code == 200, r.text
+                text = (await client.get("/metrics")).text
+                return text if total(text, "gateway_replica_healthy", replica="1") == 0 else None
+
+            text = await eventually(ejected, "replica 1 ejected by a refused connection")
+            assert text is not None
+            errors = total(text, "gateway_upstream_errors", replica="1")
+            retries = total(text, "gateway_upstream_retries")
+            assert errors >= 1 and errors == retries, (errors, retries)
