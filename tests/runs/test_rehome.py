@@ -13,7 +13,12 @@ import httpx
 import pytest
 import yaml
 from rollout_testbed.procs import SimFleet, sim_fleet
+from rollout_testbed.serve import serve_asgi
 
+from gateway.adapters.placement import Placement, place
+from gateway.app import create_app
+from gateway.config import load_settings
+from tests.cluster import sims
 from tests.eventually import STALL_S, eventually
 from tests.runs.test_many_runs import COMPLETION, load
 
@@ -163,3 +168,40 @@ async def test_a_run_whose_only_home_dies_with_no_room_elsewhere_is_unplaced(
         await eventually(served, "run-b placed again, its version reloaded, once back")
         assert (await homes(fleet))["run-b"] == [home]
         assert await home_gauge(fleet, "run-b") == 1.0
+
+
+async def test_a_run_placed_at_start_only_on_a_replica_that_is_down_moves_at_once(
+    tmp_path: Path,
+) -> None:
+    """The start places the runs on every member, up or not (a replica that is slow to
+    start keeps its homes); a run homed only on a replica that is down moves at the first
+    health round after the placement. The replica to stop is the one the placement (pure,
+    deterministic) gives the run that has one home."""
+    plan = place(Placement.empty({}), {"run-a": 3, "run-b": 3}, {0: 3, 1: 3, 2: 3})
+    assert isinstance(plan, Placement)
+    poor = next(run for run in plan.runs if len(plan.homes(run)) == 1)
+    (home,) = plan.homes(poor)
+    runs = []
+    for name in ("run-a", "run-b"):
+        (tmp_path / name).mkdir()
+        runs.append({"name": name, "key": f"key-{name}", "adapter_root": str(tmp_path / name),
+                     "max_staleness": 1})  # fmt: skip
+    async with sims(3) as replicas:
+        await replicas[home].stop()
+        overrides = {"replicas": [r.url for r in replicas], "runs": runs,
+                     "lora_slots_per_replica": 3, "health_interval_s": INTERVAL_S}  # fmt: skip
+        app = create_app(load_settings(overrides, environ={}))
+        async with serve_asgi(app) as url:
+            tenancy = app.state.gateway.tenancy
+
+            def moved() -> bool:
+                homes = tenancy.tenants[poor].homes
+                return tenancy.placement is not None and bool(homes) and home not in homes
+
+            await eventually(moved, f"{poor} moved off replica {home}, down since the start")
+            auth = (poor, f"key-{poor}")
+            async with httpx.AsyncClient(base_url=url, auth=auth, timeout=30) as c:
+                r = await c.post("/v1/load_lora_adapter", json=load(tmp_path, poor, 1))
+                assert r.status_code == 200, r.text
+                body = {**COMPLETION, "model": "trl-policy-v1"}
+                assert (await c.post("/v1/completions", json=body)).status_code == 200
