@@ -97,7 +97,9 @@ def test_one_warning_per_replica_lacking_what_trl_needs(fleet: list[str], tmp_pa
     assert "/pause" not in no_updating.split(". Start it")[0]
     assert "--enable-lora" in no_lora and "NCCL" in no_lora and "/pause" not in no_lora
     # The dead replica is reported as down, nothing else.
-    assert about[4] == [f"replica 4 ({dead}) is down at start; it joins when a probe passes"]
+    assert about[4] == [
+        f"replica 4 ({dead}) is down at start (refused); it joins when a probe passes"
+    ]
     # Loopback: no exposure warning. The start line says what it runs with.
     assert not [w for w in warnings if "not loopback" in w]
     up = _up_line(records)
