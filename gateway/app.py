@@ -194,9 +194,10 @@ async def _first_minute(gateway: Gateway) -> list[int]:
     healthy = gateway.pool.healthy_indices()
     for r in gateway.pool.replicas:
         if r.index not in healthy:
-            log.warning("replica %d (%s) is down at start; it joins when a probe passes",
-                        r.index, r.display, extra={"event": "replica_down_at_start",
-                        "replica": r.index, "replica_url": r.display})  # fmt: skip
+            why = gateway.health.why(r.index) or "unhealthy"
+            log.warning("replica %d (%s) is down at start (%s); it joins when a probe passes",
+                        r.index, r.display, why, extra={"event": "replica_down_at_start",
+                        "kind": why, "replica": r.index, "replica_url": r.display})  # fmt: skip
     up = [r for r in gateway.pool.replicas if r.index in healthy]
     found = await asyncio.gather(
         *(check_replica(gateway.upstream, r.index, settings.health_timeout_s) for r in up)

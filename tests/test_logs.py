@@ -208,3 +208,5 @@ def test_a_gateway_logs_searchable_json_and_carries_request_ids(tmp_path: Path) 
     assert failed[0]["replica_url"] == sim.url
     dns = [r for r in records if r.get("replica") == 1 and r.get("event") == "probe_failed"]
     assert dns and dns[0]["kind"] == "dns" and dns[0]["replica_url"] == unresolvable, records
+    [down] = [r for r in records if r.get("event") == "replica_down_at_start"]
+    assert down["replica"] == 1 and down["kind"] == "dns" and down["level"] == "WARNING"

@@ -65,10 +65,16 @@ class Health:
         self._log_probe(index, result)
         return result is ProbeResult.OK
 
+    def why(self, index: int) -> str | None:
+        """What the replica's failing probes said last (a ``kind``), while they fail."""
+        streak = self._down.peek(index)
+        return streak.detail if streak is not None else None
+
     def _log_probe(self, index: int, result: ProbeResult) -> None:
         """A replica out of rotation that keeps failing its probes says why (``Repeats``:
-        the first failure after the ejection, each change of kind, then every minute),
-        and how long it was down once it passes again."""
+        the first failure after the ejection, each change of kind, then every minute), at
+        INFO: the ejection (or the start's "down at start") was the warning; and how long
+        it was down once it passes again."""
         why = self._why.pop(index, result.value)
         replica = self._pool[index]
         fields = {"replica": index, "replica_url": replica.display}
@@ -82,7 +88,7 @@ class Health:
             return
         streak = self._down.seen(index, why, self._rotation.clock())
         if streak is not None and not replica.up:  # while up: the ejection line says it
-            log.warning("replica %d (%s) fails its health checks: %s (%d failed in a row, "
+            log.info("replica %d (%s) fails its health checks: %s (%d failed in a row, "
                         "for %.0f s)", index, replica.display, why, streak.count,
                         self._rotation.clock() - streak.since,
                         extra={"event": "probe_failed", "kind": why, **fields})  # fmt: skip
