@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -199,3 +200,31 @@ def test_sigusr1_and_sigusr2_are_logged_and_ignored(
             os.kill(gw.pid, sig)
             logged(gw, f"{sig.name} ignored", 1)
         serves(gw)
+
+
+def test_sighup_while_draining_ends_nothing(tmp_path: Path) -> None:
+    """SIGTERM, then SIGHUP during the drain: the stream in flight still completes and
+    the gateway still exits 0."""
+    first, lines = threading.Event(), []
+
+    def stream(url: str) -> None:
+        body = {"model": "tiny-base", "prompt": "drain me", "max_tokens": 40, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        first.set()
+        finally:
+            first.set()
+
+    with sim_replica("--latency-model", "decode=0.05") as slow:
+        with gateway(tmp_path, "--replica", slow, "--shutdown-timeout-s", "30") as gw:
+            reader = threading.Thread(target=stream, args=(gw.url,), daemon=True)
+            reader.start()
+            assert first.wait(30) and lines, "the stream's first chunk"
+            os.kill(gw.pid, signal.SIGTERM)
+            hangup(gw, "SIGHUP", 2)  # during the drain (a 40-token stream takes 2 s)
+        reader.join(30)
+    assert lines[-1] == "data: [DONE]", lines[-3:]
