@@ -40,8 +40,12 @@ RUN python -m venv /opt/tools \
     && find /opt/gateway/lib \( -name '*.pyx' -o -name '*.pxd' -o -name '*.pyi' -o -name '*.c' \
        -o -name '*.h' \) -delete \
     && rm -f /opt/gateway/bin/activate*
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md hatch_build.py ./
 COPY gateway ./gateway
+# The commit the wheel records (gateway_build_info, --version; hatch_build.py): the build
+# context has no .git, so it comes in as an argument (`make image` passes it); "unknown"
+# without. Declared here, so a new commit rebuilds only the layers from here on.
+ARG GATEWAY_BUILD_COMMIT=unknown
 RUN /opt/tools/bin/pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels . \
     && /opt/tools/bin/pip --python /opt/gateway/bin/python install --no-cache-dir --no-deps \
        /wheels/*.whl \

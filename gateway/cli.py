@@ -376,9 +376,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "serve": (serve, "run the gateway in front of N vLLM replicas"),
     }
     if argv and argv[0] in ("-V", "--version"):
-        from gateway import __version__
+        from gateway import __version__, build_commit
 
-        print(f"rollout-gateway {__version__}")
+        print(f"rollout-gateway {__version__} (commit {build_commit()})")
         return 0
     if argv and argv[0] in _MOVED:
         print(f"rollout-gateway {argv[0]}: moved to `{_MOVED[argv[0]]}` (the rollout-testbed "

@@ -40,7 +40,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from gateway import __version__
+from gateway import __version__, build_commit
 from gateway.adapters.state import Failure, Outcome
 
 if TYPE_CHECKING:
@@ -235,17 +235,18 @@ class _ReplicaCounters(Collector):
 
 
 class _BuildCollector(Collector):
-    """``gateway_build_info``: what is running (the version ``rollout-gateway --version``
-    prints, and the Python), constant for the process's life."""
+    """``gateway_build_info``: what is running (the version and commit ``rollout-gateway
+    --version`` prints, and the Python), constant for the process's life."""
 
     def __init__(self) -> None:
-        self._labels = [__version__, platform.python_version()]
+        self._labels = [__version__, platform.python_version(), build_commit()]
 
     def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily(
             "gateway_build_info",
-            "1, labelled with the gateway's version and the Python it runs on.",
-            labels=["version", "python"],
+            "1, labelled with the gateway's version, the Python it runs on and the commit "
+            "it was built from.",
+            labels=["version", "python", "commit"],
         )
         info.add_metric(self._labels, 1.0)
         yield info

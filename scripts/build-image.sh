@@ -98,7 +98,8 @@ context_hash() {
     local base_id=$1
     {
         echo "$base_id"
-        sha256sum Dockerfile .dockerignore pyproject.toml README.md deploy/image/*.txt
+        sha256sum Dockerfile .dockerignore pyproject.toml README.md hatch_build.py \
+            deploy/image/*.txt
         find gateway -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 \
             | sort -z | xargs -0 sha256sum
     } | sha256sum | cut -c1-16
@@ -126,6 +127,11 @@ main() {
             args+=(--volume "$ca:/run/host-ca.crt:ro" --build-arg PIP_CERT=/run/host-ca.crt)
         fi
         args+=(--build-arg "PIP_INDEX_URL=${PIP_INDEX_URL:-https://pypi.org/simple}")
+        # The commit gateway_build_info reports: the one this image was built from. It is
+        # not in the tag's hash: a later commit with the same inputs reuses this image,
+        # whose code is that commit's too.
+        args+=(--build-arg "GATEWAY_BUILD_COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null \
+            || echo unknown)")
         # --format docker keeps HEALTHCHECK (OCI image configs have no such field);
         # --network=host: the build stage reaches the package registry.
         # shellcheck disable=SC2046

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -155,7 +156,9 @@ def test_version(how: str) -> None:
     argv = [script, "--version"] if how == "script" else [PY, "-m", "gateway", "--version"]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    assert out == f"rollout-gateway {version}\n" and version == __version__
+    # the commit: tests/test_build_info.py
+    assert re.fullmatch(rf"rollout-gateway {re.escape(version)} \(commit \S+\)\n", out), out
+    assert version == __version__
 
 
 # --- the pure rules, edge by edge --------------------------------------------------------
