@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
+from functools import partial
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -87,10 +88,13 @@ def supervise(settings: Settings, workers: int, reserve: socket.socket) -> int:
         stopping.append(signum)
 
     owners: list[BaseProcess] = []  # the owner now (it is restarted if it dies)
+    supervisor = os.getpid()
 
     def hangup(signum: int, _frame: object) -> None:
         # SIGHUP reloads what can be: the owner's work (it tells the workers, and logs
         # what it did); the default action would end the whole gateway.
+        if os.getpid() != supervisor:  # a child just forked, before _child took over
+            return
         pid = owners[-1].pid if owners and owners[-1].is_alive() else None
         if pid is None:
             log.warning("SIGHUP ignored: no owner process right now (starting or "
@@ -217,6 +221,14 @@ def _owner_main(settings: Settings, shared: SharedState, workers: int, rundir: P
     os.chmod(rundir / _OWNER, 0o600)
     sock.listen(1024)  # workers' requests queue while the owner starts up
     _serve(SyncBeforeAnswer(app, hub), sock, settings, lean=False, stopping=app.stopping)
+
+
+def _not_here(worker: int) -> None:
+    """SIGHUP reached a data-plane worker (alone, or with the whole process group, as when
+    a terminal closes): the owner reloads, so the worker only says so."""
+    log.warning("SIGHUP to data-plane worker %d (pid %d) ignored: send it to the "
+                "supervisor (pid %d), which passes it to the owner, which reloads", worker,
+                os.getpid(), os.getppid(), extra={"event": "sighup"})  # fmt: skip
 
 
 def _not_here(worker: int) -> None:
