@@ -32,7 +32,6 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from functools import partial
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -221,14 +220,6 @@ def _owner_main(settings: Settings, shared: SharedState, workers: int, rundir: P
     os.chmod(rundir / _OWNER, 0o600)
     sock.listen(1024)  # workers' requests queue while the owner starts up
     _serve(SyncBeforeAnswer(app, hub), sock, settings, lean=False, stopping=app.stopping)
-
-
-def _not_here(worker: int) -> None:
-    """SIGHUP reached a data-plane worker (alone, or with the whole process group, as when
-    a terminal closes): the owner reloads, so the worker only says so."""
-    log.warning("SIGHUP to data-plane worker %d (pid %d) ignored: send it to the "
-                "supervisor (pid %d), which passes it to the owner, which reloads", worker,
-                os.getpid(), os.getppid(), extra={"event": "sighup"})  # fmt: skip
 
 
 def _not_here(worker: int) -> None:
