@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.errors import GatewayError, UpstreamError
 from gateway.http.server.disconnect import ClientDisconnected, DisconnectGuard
 from gateway.http.server.exchange import AsgiExchange, Exchange
+from gateway.logs import REQUEST_ID
 
 if TYPE_CHECKING:
     from gateway.http.upstream import UpstreamResponse
@@ -116,4 +117,4 @@ class RelayResponse(Response):
         """Headers are out: for SSE the only honest signal left is an error event."""
         if failure is None or self._upstream.content_type != "text/event-stream":
             return b""
-        return b"data: " + failure.body() + b"\n\n"
+        return b"data: " + failure.body(REQUEST_ID.get()) + b"\n\n"  # the stream's task

@@ -138,7 +138,8 @@ class Departures:
         if not await tenant.drained(grace):
             aborted = tenant.abort_removed()
             log.warning("run %s removed: %d rollouts still in flight after %.0f s, aborted",
-                        name, aborted, grace)  # fmt: skip
+                        name, aborted, grace,
+                        extra={"event": "run_removed", "run": name})  # fmt: skip
             await tenant.drained(self.drain_s)
         await then(tenant)
 
@@ -392,7 +393,8 @@ class MultiRun:
         await self._moved(fleet, moves, {name})
         gained = sorted({(run, r) for change, run, r in moves if change is Change.GAIN})
         log.info("run %s removed: %d adapters unloaded from replicas %s; its slots went to %s",
-                 name, sum(unloaded), homes, gained)  # fmt: skip
+                 name, sum(unloaded), homes, gained,
+                 extra={"event": "run_removed", "run": name})  # fmt: skip
 
     def wake(self) -> None:
         self._wake.set()

@@ -74,7 +74,8 @@ async def place_runs(gw: RunFleet) -> None:
     moves = gw.tenancy.place(gw.pool.indices(), budget)
     for tenant in gw.tenancy:
         log.info("run %s: home replicas %s (%d adapter slots each)",
-                 tenant.name, sorted(tenant.homes), tenant.run.slots)  # fmt: skip
+                 tenant.name, sorted(tenant.homes), tenant.run.slots,
+                 extra={"event": "run_placed", "run": tenant.name})  # fmt: skip
     log.info("placed %d runs on %d replicas of %d adapter slots (%d moves)",
              len(gw.tenancy.tenants), len(gw.pool), budget, len(moves))  # fmt: skip
     await asyncio.gather(*(sweep(gw, r) for r in gw.pool.healthy_indices()))
