@@ -26,7 +26,7 @@ from gateway.adapters.state import AdapterPolicy
 from gateway.api import FastPath, build_routes, error_response
 from gateway.config import Settings
 from gateway.core import Gateway
-from gateway.errors import GatewayError, NotFound, error_body
+from gateway.errors import GatewayError, NotFound
 from gateway.fleet.aborts import ReplicaTasks
 from gateway.fleet.admission import Admission
 from gateway.fleet.control import FleetControl
@@ -248,8 +248,7 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return Response(error_body("Internal gateway error.", 500), status_code=500,
-                    media_type="application/json")  # fmt: skip
+    return error_response(GatewayError("Internal gateway error."))  # with its request id
 
 
 class Reloads:
