@@ -164,7 +164,9 @@ async def test_build_info_and_process_metrics_are_exported() -> None:
     async with cluster(1) as c, httpx.AsyncClient(base_url=c.url, timeout=10) as client:
         found = families((await client.get("/metrics")).text)
     (build,) = found["gateway_build_info"].samples
-    assert build.labels == {"version": __version__, "python": platform.python_version()}
+    labels = dict(build.labels)
+    assert labels.pop("commit")  # tests/test_build_info.py says which
+    assert labels == {"version": __version__, "python": platform.python_version()}
     assert build.value == 1
     for name in PROCESS_FAMILIES:
         assert name in found, name
@@ -279,7 +281,7 @@ def total(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of family ``name`` whose labels include ``labels``."""
     found = families(text).get(name)
     samples = found.samples if found is not None else []
-    return sum(s.value for s in samples if labels.items() <= s.labels.items())
+    return float(sum(s.value for s in samples if labels.items() <= s.labels.items()))
 
 
 @pytest.mark.timeout(180)
@@ -292,10 +294,10 @@ async def test_a_replica_down_counts_failed_probes_not_upstream_errors(tmp_path:
     with sim_fleet(2, tmp_path, gateway_args=args) as f:
         async with httpx.AsyncClient(base_url=f.url, timeout=10) as client:
             start = (await client.get("/metrics")).text
-            probes = {
+            series = {
                 tuple(s.labels.values()) for s in families(start)["gateway_health_probes"].samples
             }
-            assert probes == set(product(("0", "1"), ProbeResult)), probes  # each at start
+            assert series == set(product(("0", "1"), ProbeResult)), series  # each at start
             assert total(start, "gateway_upstream_errors") == 0
             f.sims[1].stop()
 
@@ -305,15 +307,24 @@ async def test_a_replica_down_counts_failed_probes_not_upstream_errors(tmp_path:
                 healthy = total(text, "gateway_replica_healthy", replica="1")
                 return text if failed >= 10 and healthy == 0 else None
 
-            text = await eventually(down_a_while, "10 failed probes of the stopped replica")
+            down = await eventually(down_a_while, "10 failed probes of the stopped replica")
+            assert down is not None
+
+            def probes(text: str, replica: str, result: str) -> float:
+                return total(text, "gateway_health_probes", replica=replica, result=result)
+
+            async def later() -> str | None:  # 5 more failed probes, while it stays down
+                text = (await client.get("/metrics")).text
+                more = probes(text, "1", "unreachable") - probes(down, "1", "unreachable")
+                return text if more >= 5 else None
+
+            text = await eventually(later, "5 more failed probes")
             assert text is not None
             errors = [s for s in families(text)["gateway_upstream_errors"].samples if s.value]
             assert not errors, errors
             assert total(text, "gateway_replica_ejections", replica="1") == 1
-            for replica, grew in (("0", True), ("1", False)):
-                ok = [total(t, "gateway_health_probes", replica=replica, result="ok")
-                      for t in (start, text)]  # fmt: skip
-                assert (ok[1] > ok[0]) is grew, (replica, ok)
+            assert probes(text, "1", "ok") == probes(down, "1", "ok")
+            assert probes(text, "0", "ok") > probes(down, "0", "ok")
 
 
 def test_the_label_sets_born_at_zero_cover_the_codes_values() -> None:
