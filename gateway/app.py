@@ -224,8 +224,27 @@ def _auth(gateway: Gateway) -> str:
     return f"off ({why}){', admin key on control calls' if admin else ''}"
 
 
-def _roots(settings: Settings) -> str:
-    roots = [str(r.adapter_root) for r in settings.runs] or list(map(str, settings.adapter_roots))
+def _windows(gateway: Gateway) -> str:
+    """The start line's adapter window: single-run mode's ``max_staleness``; in multi-run
+    mode each run's own settings, read from the runs the gateway serves (the top-level
+    ``max_staleness`` is then used by no run: shown alone, it named a window no run had)."""
+    runs = [t.run for t in gateway.tenancy]
+    if len(runs) == 1 and not runs[0].name:
+        return f"max_staleness {runs[0].max_staleness}"
+    each = "; ".join(
+        f"{r.name}: max_staleness {r.max_staleness}, weight {r.weight:g}"
+        + (f", max_in_flight {r.max_in_flight}" if r.max_in_flight is not None else "")
+        for r in runs
+    )
+    return f"{len(runs)} runs ({each})"
+
+
+def _roots(gateway: Gateway) -> str:
+    """Single-run mode: the roots; multi-run mode: each run's, by name."""
+    runs = [t.run for t in gateway.tenancy]
+    if not (len(runs) == 1 and not runs[0].name):
+        return ", ".join(f"{r.name} {', '.join(map(str, r.roots))}" for r in runs)
+    roots = list(map(str, gateway.settings.adapter_roots))
     return ", ".join(roots) if roots else "none (any lora_path)"
 
 
@@ -367,11 +386,11 @@ def create_app(
         hangups.enter_context(on_hangup(reloads.hangup))
         healthy = await _first_minute(gateway)
         log.info(
-            "gateway up on http://%s:%d: %d/%d replicas healthy, router %s, max_staleness %s; "
+            "gateway up on http://%s:%d: %d/%d replicas healthy, router %s, %s; "
             "version %s, auth %s, adapter roots %s, replicas from %s",
             settings.host, settings.port, len(healthy), len(gateway.pool),
-            gateway.router.name, settings.max_staleness, __version__, _auth(gateway),
-            _roots(settings), source(settings),
+            gateway.router.name, _windows(gateway), __version__, _auth(gateway),
+            _roots(gateway), source(settings),
         )  # fmt: skip
         try:
             async with attach() if attach is not None else contextlib.nullcontext():
