@@ -30,8 +30,7 @@ from gateway.http.upstream import (
     response_headers,
 )
 from gateway.metrics import RouteKind
-from gateway.runs.scope import StreamUnscope, unscope_body
-from gateway.runs.usage import usage_tokens
+from gateway.runs.scope import StreamUnscope, answer_body
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
@@ -77,9 +76,7 @@ async def dispatch(inbound: Inbound, gw: Gateway, entry: Entry, plan: Plan) -> R
                              unscope)  # fmt: skip
     ledger.finished(entry, completed=True)
     if run is not None:  # a named run: its names, and what it used
-        content = unscope_body(run.run, status, content)
-        if 200 <= status < 300:
-            run.usage.tokens(usage_tokens(content))
+        content = answer_body(run.run, run.usage, status, content)
     return BodyResponse(status, out_headers, content)
 
 

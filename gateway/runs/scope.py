@@ -2,9 +2,16 @@
 
 On the replicas a run's adapter is ``RUN~trl-policy-v3``; the run must read
 ``trl-policy-v3`` in the ``model`` field of completions and of every stream chunk, and in
-errors. Only the ``"model":"`` field is rewritten in a success body: generated text may
-hold anything, and vLLM writes compact JSON, so the field is found as written. Error
-bodies hold no generated text: every occurrence of the prefix goes.
+errors. Only ``model`` fields are rewritten in a success body: generated text may hold
+anything. vLLM writes compact JSON, so the fast path replaces ``"model":"RUN~`` as
+written; when the prefix is still there after it (another layout: ``"model": "RUN~``,
+newlines vLLM does not write, or the name in generated text) or a ``\\u``
+escape could spell it, the answer is read exactly instead (the body, or each SSE event,
+parsed: ``gateway.runs.usage.load``) and only events whose ``model`` changed are written
+again. An answer that is not JSON loses every occurrence of the prefix as text, and is
+counted (``gateway_run_answers_unread_total{part="model"}``): the prefix never reaches a
+client. Error bodies hold no generated text: every occurrence of the prefix goes
+(``Run.unscope``).
 
 The other way, an adapter a request names is scoped to its run here too
 (``scoped_model``), once for rollouts and FORWARDED paths alike: a run can only ever name
@@ -13,17 +20,29 @@ its own adapters.
 
 from __future__ import annotations
 
+import logging
+import re
+from collections import Counter
 from typing import Any, Protocol
-
-import orjson
 
 from gateway.errors import NotFound
 from gateway.runs.table import SEP, Run, owner_of
-from gateway.runs.usage import RunUsage, usage_tokens
+from gateway.runs.usage import (
+    UNREADABLE,
+    RunUsage,
+    event_data,
+    is_document,
+    load,
+    sse_parts,
+    usage_tokens,
+)
 
 __all__ = [
-    "RunScope", "StreamUnscope", "own_listing", "scoped_model", "unknown_model", "unscope_body",
+    "RunScope", "StreamUnscope", "answer_body", "own_listing", "scoped_model", "unknown_model",
+    "unscope_body",
 ]  # fmt: skip
+
+log = logging.getLogger("gateway.runs")
 
 
 class _Candidates(Protocol):
@@ -41,14 +60,106 @@ class RunScope(Protocol):
 
 
 _FIELD = b'"model":"'
-_EVENT_END = b"\n\n"
+_ESCAPE = b"\\u"
+_EVENT_ENDS = (b"\n\n", b"\n\r\n")  # a blank line: LF, or CRLF, line ends
 _MAX_HELD = 1 << 16  # a "stream" without event ends: pass it on rather than hold it
+_TERMINATOR = re.compile(rb"\r\n|\r|\n")
 
 
-def unscope_body(run: Run, status: int, content: bytes) -> bytes:
+def unscope_body(
+    run: Run, status: int, content: bytes, unread: Counter[str] | None = None
+) -> bytes:
+    """``content`` (a body, or whole SSE events) without ``run``'s prefix in its names;
+    ``unread`` counts a success answer that could not be read (its prefix cut as text)."""
     if status >= 400:
         return run.unscope(content)
-    return content.replace(_FIELD + run.prefix.encode(), _FIELD)
+    if not run.prefix:
+        return content
+    prefix = run.prefix.encode()
+    out = content.replace(_FIELD + prefix, _FIELD)
+    if prefix not in out and _ESCAPE not in out:
+        return out  # vLLM's compact answers: one replace and two scans, nothing decoded
+    exact = _unscope_exact(run.prefix, out)
+    if exact is None:
+        if unread is not None:
+            unread["model"] += 1
+        return run.unscope(out)
+    return exact
+
+
+def answer_body(run: Run, usage: RunUsage, status: int, content: bytes) -> bytes:
+    """A complete answer as ``run`` reads it, its tokens counted in ``usage``."""
+    before = sum(usage.unread.values())
+    content = unscope_body(run, status, content, usage.unread)
+    if 200 <= status < 300:
+        usage.tokens(usage_tokens(content))
+    _note(run, usage, before)
+    return content
+
+
+def _note(run: Run, usage: RunUsage, before: int) -> None:
+    """Say so, once per run and kind, when an answer could not be read."""
+    unread = usage.unread
+    if sum(unread.values()) == before:
+        return
+    for part, count in unread.items():
+        if count == 1:
+            log.warning("run %s: a replica's answer could not be read as JSON for its %s "
+                        "(counted in gateway_run_answers_unread_total{part=%r}); "
+                        "is something between the gateway and vLLM rewriting answers?",
+                        run.name, part, part)  # fmt: skip
+
+
+def _unscope_exact(prefix: str, content: bytes) -> bytes | None:
+    """``content`` with every ``model`` field that starts with ``prefix`` without it,
+    read as JSON (a body) or as SSE events (each ``data`` a JSON document); unchanged
+    events keep their bytes. None: some document is not JSON."""
+    if is_document(content):
+        loaded = load(content)
+        if loaded is None:
+            return None
+        doc, dumps = loaded
+        return dumps(doc) if _strip_models(doc, prefix) else content
+    parts = sse_parts(content)
+    changed = False
+    for i in range(0, len(parts), 2):
+        event = parts[i]
+        data, lines = event_data(event)
+        if data is None or data.strip() in (b"", b"[DONE]"):
+            if prefix.encode() in event:  # an event or id field naming it: as text
+                parts[i], changed = event.replace(prefix.encode(), b""), True
+            continue
+        loaded = load(data)
+        if loaded is None:
+            return None
+        doc, dumps = loaded
+        if not _strip_models(doc, prefix):
+            continue
+        found = _TERMINATOR.search(event)
+        newline = found.group() if found is not None else b"\n"
+        kept = [line for line in lines if not line.startswith(b"data:")]
+        at = next(n for n, line in enumerate(lines) if line.startswith(b"data:"))
+        kept.insert(at, b"data: " + dumps(doc))  # one data line: JSON holds no newline
+        parts[i], changed = newline.join(kept), True
+    return b"".join(parts) if changed else content
+
+
+def _strip_models(doc: object, prefix: str) -> bool:
+    """Cut ``prefix`` off every ``model`` string of ``doc`` that starts with it, at any
+    depth (as the fast path's replace does); True if one was."""
+    changed = False
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            model = node.get("model")
+            if isinstance(model, str) and model.startswith(prefix):
+                node["model"] = model[len(prefix) :]
+                changed = True
+            stack.extend(v for v in node.values() if isinstance(v, dict | list))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, dict | list))
+    return changed
 
 
 def scoped_model(
@@ -88,12 +199,12 @@ def own_listing(run: Run, content: bytes) -> bytes:
     ``/v1/models``) as ``run`` may read it: the base models (no ``parent``) and its own
     adapters by its own names; anything else is returned unchanged. For answers of
     FORWARDED paths: the gateway's own ``/v1/models`` is built from the run's adapters."""
-    if not run.prefix or b'"data"' not in content:
+    if not run.prefix or (b'"data"' not in content and _ESCAPE not in content):
         return content
-    try:
-        listing = orjson.loads(content)
-    except orjson.JSONDecodeError:
+    loaded = load(content)
+    if loaded is None:
         return content
+    listing, dumps = loaded
     data = listing.get("data") if isinstance(listing, dict) else None
     if not isinstance(data, list):
         return content
@@ -107,35 +218,55 @@ def own_listing(run: Run, content: bytes) -> bytes:
         elif not (owner_of(name) or (isinstance(entry, dict) and entry.get("parent"))):
             kept.append(entry)  # a base model: every run's
     listing["data"] = kept
-    return orjson.dumps(listing)
+    return dumps(listing)
 
 
 class StreamUnscope:
     """``unscope_body`` over an SSE stream read in arbitrary pieces: only whole events are
     rewritten (a name split between two reads would be missed), so a partial event is held
-    until its end arrives, or the stream ends."""
+    until its end arrives (a blank line, with LF or CRLF line ends), or the stream ends.
 
-    __slots__ = ("_find", "_held", "_usage")
+    Its tokens are the largest usage it carried: the final chunk's with
+    ``include_usage``, and with vLLM's ``continuous_usage_stats`` every chunk's running
+    total, of which only the growth is added (a stream cut short keeps what it used)."""
+
+    __slots__ = ("_find", "_held", "_seen", "_usage")
 
     def __init__(self, run: Run, status: int, usage: RunUsage | None = None) -> None:
         self._find = (run, status)
         self._held = b""
         self._usage = usage if 200 <= status < 300 else None
+        self._seen = (0, 0)
 
     def __call__(self, chunk: bytes, last: bool) -> bytes:
         data = self._held + chunk if self._held else chunk
         if last or len(data) > _MAX_HELD:
             self._held = b""
             return self._out(data)
-        end = data.rfind(_EVENT_END)
+        end = -1
+        for mark in _EVENT_ENDS:  # the first that a stream uses is the one it always uses
+            if (found := data.rfind(mark)) >= 0:
+                end = found + len(mark)
+                break
         if end < 0:
             self._held = data
             return b""
-        end += len(_EVENT_END)
         self._held = data[end:]
         return self._out(data[:end])
 
     def _out(self, events: bytes) -> bytes:
-        if self._usage is not None and b'"usage":{' in events:  # the final chunk's, if asked
-            self._usage.tokens(usage_tokens(events))
-        return unscope_body(*self._find, events)
+        run, status = self._find
+        usage = self._usage
+        if usage is None:
+            return unscope_body(run, status, events)
+        before = sum(usage.unread.values())
+        events = unscope_body(run, status, events, usage.unread)
+        found = usage_tokens(events)
+        if found is UNREADABLE or found is None:
+            usage.tokens(found)
+        else:
+            seen = self._seen
+            self._seen = (max(seen[0], found[0]), max(seen[1], found[1]))
+            usage.tokens((self._seen[0] - seen[0], self._seen[1] - seen[1]))
+        _note(run, usage, before)
+        return events

@@ -12,6 +12,7 @@ no name and no prefix, so every path is the same code.
 from __future__ import annotations
 
 import hmac
+import json
 from base64 import b64decode, b64encode
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -87,8 +88,12 @@ class Run:
         return replica_name[len(prefix) :] if replica_name.startswith(prefix) else None
 
     def unscope(self, data: bytes) -> bytes:
-        """A control-path or error body (no generated text) as this run must read it."""
-        return data.replace(self.prefix.encode(), b"") if self.prefix else data
+        """A control-path or error body (no generated text) as this run must read it: the
+        prefix goes wherever it is, also where a JSON body spells it with ``\\u`` escapes."""
+        if not self.prefix:
+            return data
+        data = data.replace(self.prefix.encode(), b"")
+        return _unescaped(data, self.prefix) if b"\\u" in data else data
 
     def unscope_text(self, text: str) -> str:
         return text.replace(self.prefix, "") if self.prefix else text
@@ -102,6 +107,36 @@ class Run:
         """Which replica-side adapter names are its own (None: every name)."""
         prefix = self.prefix
         return (lambda name: name.startswith(prefix)) if prefix else None
+
+
+def _unescaped(data: bytes, prefix: str) -> bytes:
+    """A JSON ``data`` without ``prefix`` in any of its strings, keys included, once its
+    escapes are read (rare: vLLM escapes only control characters); as it was when it is
+    not JSON or holds no escaped prefix."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return data
+    changed = False
+
+    def clean(node: Any) -> Any:
+        nonlocal changed
+        if isinstance(node, str):
+            if prefix in node:
+                changed = True
+                return node.replace(prefix, "")
+            return node
+        if isinstance(node, dict):
+            return {clean(k): clean(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [clean(v) for v in node]
+        return node
+
+    try:
+        cleaned = clean(doc)
+    except RecursionError:
+        return data
+    return json.dumps(cleaned, separators=(",", ":")).encode() if changed else data
 
 
 def owner_of(replica_name: str) -> str | None:

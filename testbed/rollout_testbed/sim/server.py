@@ -18,6 +18,7 @@ from gateway.http.server.serving import listen_socket
 from rollout_testbed.sim.app import create_sim_app
 from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.latency import LatencyModel
+from rollout_testbed.sim.layout import LAYOUTS, Spaced
 
 __all__ = ["add_config_args", "build_parser", "config_from_args", "main", "serve"]
 
@@ -38,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     add_config_args(p)
     p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--json-layout",
+        choices=LAYOUTS,
+        default="compact",
+        help="compact: as vLLM writes JSON; spaced: as json.dumps does (another "
+        "OpenAI-compatible server, or a proxy that re-serializes)",
+    )
     return p
 
 
@@ -92,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    serve(create_sim_app(config), args)
+    app = create_sim_app(config)
+    serve(app if args.json_layout == "compact" else Spaced(app), args)
     return 0
 
 
