@@ -16,18 +16,32 @@ and placed; changed runs take their new limits (a rotated key keeps working for
 ``key_overlap_s``); removed runs stop being identified at once, drain (or are aborted
 after ``run_remove_grace_s``), have their adapters unloaded, and only then give their
 slots back (:func:`replace` without them).
+
+A run that is gone leaves its final counts behind (:class:`Departed`): its
+``gateway_run_*_total`` series stay on ``/metrics`` for ``DEPARTED_KEEP_S`` more, so
+that the scrape after its removal still reads what it used last.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from gateway.adapters.placement import Placement, PlacementError, place
 from gateway.config import RunSpec
 from gateway.runs.table import Run, RunTable
+from gateway.runs.usage import RunUsage
 
-__all__ = ["RunPlan", "plan", "replace", "run_table_of"]
+__all__ = ["DEPARTED_KEEP_S", "Departed", "Final", "RunPlan", "plan", "replace", "run_table_of"]
+
+DEPARTED_KEEP_S = 300.0
+"""How long a gone run's final counts stay scrapeable. Scrape intervals are 15-60 s
+(Prometheus' default is 60 s), so 300 s is five scrapes at the default: the last counts
+survive a scrape or two that fail, and a pair of HA Prometheus servers each see them.
+It is also Prometheus' own lookback window (``--query.lookback-delta``, 5 min), the time
+a series that stopped is still read as present. Counting scrapes instead would let one
+server's scrapes use up another's; and the memory held is a few numbers per removal."""
 
 
 def run_table_of(specs: Iterable[RunSpec]) -> RunTable:
@@ -130,3 +144,42 @@ def _unfit(run: str, previous: Placement, down: Collection[int], why: str) -> st
         return (f"LoRA adapter slots exhausted: run {run!r} lost its home replicas {homes} "
                 f"(down) and no healthy replica has room for it: {why}")  # fmt: skip
     return f"LoRA adapter slots exhausted: {why}"
+
+
+@dataclass(frozen=True, slots=True)
+class Final:
+    """A run's counters, as ``/metrics`` exports them (a live run's now, a gone run's last)."""
+
+    name: str
+    requests: int
+    usage: RunUsage
+    fair_overflows: int
+    left_at: float = 0.0
+
+
+class Departed:
+    """Final counts of the runs that are gone, kept ``keep_s`` (``DEPARTED_KEEP_S``) after
+    they left; a run added back under the same name drops its old ones (its counters
+    start again at 0, as a new run's do). ``clock``: monotonic seconds (a test's own)."""
+
+    __slots__ = ("_clock", "_finals", "keep_s")
+
+    def __init__(
+        self, keep_s: float = DEPARTED_KEEP_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.keep_s = keep_s
+        self._clock = clock
+        self._finals: dict[str, Final] = {}
+
+    def left(self, name: str, requests: int, usage: RunUsage, fair_overflows: int) -> None:
+        self._finals[name] = Final(name, requests, usage, fair_overflows, self._clock())
+
+    def back(self, name: str) -> None:
+        self._finals.pop(name, None)
+
+    def finals(self) -> list[Final]:
+        """The ones still kept, by name (older ones are dropped now)."""
+        now = self._clock()
+        for name in [n for n, f in self._finals.items() if now - f.left_at >= self.keep_s]:
+            del self._finals[name]
+        return sorted(self._finals.values(), key=lambda f: f.name)

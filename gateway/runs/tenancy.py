@@ -40,7 +40,7 @@ from gateway.errors import (
 from gateway.roles import ALONE, Peers
 from gateway.runs.aborts import Aborts, paused_with_abort
 from gateway.runs.fairness import FairGate, Slot
-from gateway.runs.lifecycle import RunPlan, plan, replace
+from gateway.runs.lifecycle import Departed, RunPlan, plan, replace
 from gateway.runs.table import Run, RunTable
 from gateway.runs.usage import RunUsage
 
@@ -351,9 +351,12 @@ class Tenancy:
         peers: Peers = ALONE,
         routes: RoutesSource = OWN_ROUTES,
         fair: FairGate | None = None,
+        departed: Departed | None = None,
     ) -> None:
         self.table = table
         self.fair = fair
+        self.departed = departed if departed is not None else Departed()
+        """Final counts of the runs that are gone, still exported (``runs.lifecycle``)."""
         self._ejector = ejector
         self._manager = manager
         self._routes = routes
@@ -404,6 +407,8 @@ class Tenancy:
         for name in found.removed:
             self.leaving[name] = self.tenants.pop(name)
             self._retired.pop(name, None)
+        for name in found.added:  # back under its old name: a new run, counting from 0
+            self.departed.back(name)
         added = [self._tenant(new[name]) for name in found.added]
         self.tenants.update((t.name, t) for t in added)
         for name in found.rotated:
@@ -452,7 +457,10 @@ class Tenancy:
     def gone(self, name: str) -> list[tuple[Change, str, int]]:
         """A removed run drained and its adapters were unloaded: its slots are freed, and
         runs that did not fit are placed if they now do. Returns the moves."""
-        self.leaving.pop(name, None)
+        tenant = self.leaving.pop(name, None)
+        if tenant is not None:
+            overflows = 0 if self.fair is None else self.fair.overflowed(name)
+            self.departed.left(name, tenant.requests, tenant.usage, overflows)
         if self.fair is not None:
             self.fair.forget(name)
         if self.budget is None or self.placement is None:

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gateway.adapters.placement import Placement
-from gateway.runs.lifecycle import plan, replace
+from gateway.runs.lifecycle import DEPARTED_KEEP_S, Departed, plan, replace
 from gateway.runs.table import Run, RunTable
+from gateway.runs.usage import RunUsage
 
 NAMES = [f"run-{i}" for i in range(6)]
 
@@ -190,3 +191,32 @@ def test_adapter_root_and_a_leaving_name_are_refused() -> None:
     moved = RunTable([Run("a", b"k-a-0", 1, (Path("/elsewhere"),))])
     assert "adapter_root" in (plan(old, moved).refused or "")
     assert "still leaving" in (plan(RunTable([]), old, leaving=["a"]).refused or "")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_gone_runs_final_counts_are_kept_for_the_stated_time() -> None:
+    """Scraped every 15-60 s, a run's last counts must outlive its removal: kept
+    ``DEPARTED_KEEP_S`` (300 s), dropped after; a run added back starts again."""
+    clock = Clock()
+    departed = Departed(clock=clock)
+    usage = RunUsage(prompt_tokens=70, completion_tokens=20)
+    departed.left("run-a", 9, usage, 1)
+    clock.now += 60.0
+    departed.left("run-b", 1, RunUsage(), 0)
+    clock.now += DEPARTED_KEEP_S - 60.0 - 0.001  # four scrapes at 60 s, and then some
+    finals = departed.finals()
+    assert [(f.name, f.requests, f.usage.prompt_tokens, f.fair_overflows) for f in finals] == [
+        ("run-a", 9, 70, 1), ("run-b", 1, 0, 0),
+    ]  # fmt: skip
+    clock.now += 0.001
+    assert [f.name for f in departed.finals()] == ["run-b"]
+    departed.back("run-b")  # added back under its name: its old counts go
+    assert departed.finals() == []
+    assert DEPARTED_KEEP_S >= 4 * 60  # covers any sane scrape interval, a failed one or two

@@ -9,9 +9,12 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from rollout_testbed.procs import sim_fleet
 
-from gateway.runs.usage import RunUsage, usage_tokens
+from gateway.runs.usage import UNREADABLE, RunUsage, usage_tokens
 from tests.cluster import Cluster
+from tests.conftest import ADMIN_KEY
+from tests.eventually import eventually_sync
 from tests.runs.test_many_runs import as_run, load, shared
 
 VLLM_BODY = (
@@ -25,6 +28,14 @@ SSE_LAST = (
 )
 
 
+BODY = {"model": "trl-policy-v1", "prompt": [1, 2, 3, 4], "max_tokens": 3}
+SPACED_SSE = (
+    b'data: {"id": "c", "choices": [{"text": "a"}], "usage": null}\n\n'
+    b'data: {"id": "c", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}'
+    b"\n\ndata: [DONE]\n\n"
+)
+
+
 @pytest.mark.parametrize(
     ("content", "tokens"),
     [
@@ -33,9 +44,21 @@ SSE_LAST = (
         (b'{"usage":{"prompt_tokens":1,"completion_tokens":0}}', (1, 0)),
         (b'{"choices":[]}', None),
         (b'{"usage":null}', None),
-        (b'{"usage":{"prompt_tokens":"1","completion_tokens":2}}', None),
-        (b'{"usage":{"prompt_tokens":1', None),  # cut off
-        (b'{"usage":{' + b" " * 600 + b"}", None),  # not vLLM's: too long to be usage
+        (b'data: {"choices":[],"usage":null}\n\n', None),
+        # Any other layout is read exactly: spaces, newlines, escaped keys, key order.
+        (b'{"usage": {"prompt_tokens": 7, "completion_tokens": 2}, "choices": []}', (7, 2)),
+        (b'{\n  "usage" :\n {"completion_tokens":2,\n"prompt_tokens":7}}', (7, 2)),
+        (b'{"\\u0075sage":{"prompt_tokens":7,"completion_tokens":2}}', (7, 2)),
+        (b'{"usage":{' + b" " * 600 + b'"prompt_tokens":7,"completion_tokens":2}}', (7, 2)),
+        (SPACED_SSE, (3, 5)),
+        (SPACED_SSE.replace(b"\n", b"\r\n"), (3, 5)),  # CRLF line ends
+        (b'data:{"usage":\ndata: {"prompt_tokens":3,"completion_tokens":5}}\n\n', (3, 5)),
+        (b'{"usage": null, "choices": [{"text": "\\"usage\\": {}"}]}', None),
+        # What cannot be read is said so, never guessed.
+        (b'{"usage":{"prompt_tokens":"1","completion_tokens":2}}', UNREADABLE),
+        (b'{"usage":{"prompt_tokens":1', UNREADABLE),  # cut off
+        (b'{"usage": {"prompt_tokens": -1, "completion_tokens": 2}}', UNREADABLE),
+        (b'{"usage": {"prompt_tokens": 1.0, "completion_tokens": 2}}', UNREADABLE),
     ],
 )
 def test_usage_tokens(content: bytes, tokens: tuple[int, int] | None) -> None:
@@ -46,6 +69,8 @@ def test_run_usage_counts() -> None:
     usage = RunUsage()
     usage.tokens((7, 2))
     usage.tokens(None)
+    usage.tokens(UNREADABLE)
+    assert usage.unread == {"usage": 1}
     for status in (200, 200, 404, 503):
         usage.answered(status)
     rollouts = {"2xx": 2, "4xx": 1, "5xx": 1}
@@ -114,3 +139,85 @@ async def test_runs_tokens_add_up_to_the_replicas_own(tmp_path: Path) -> None:
         async with as_run(c, "run-b") as client:
             own = (await client.get("/gateway/status")).json()["runs"]
         assert own[0]["usage"]["prompt_tokens"] == sent["run-b"][0]
+
+
+def _runs_config(path: Path, root: Path, runs: tuple[str, ...]) -> None:
+    lines = [f"admin_key: {ADMIN_KEY}", "runs:"]
+    for run in runs:
+        (root / run / "trl-policy-v1").mkdir(parents=True, exist_ok=True)
+        lines.append(f"  - {{name: {run}, key: key-{run}, adapter_root: {root / run}, "
+                     "max_staleness: 1}")  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    return [orjson.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_behind_a_spaced_upstream_a_run_is_counted_and_named_as_behind_vllm(
+    tmp_path: Path,
+) -> None:
+    """The real CLI, multi-run, in front of sim replicas that write JSON as ``json.dumps``
+    does (``"model": "run-a~trl-policy-v1"``, ``"usage": {...}``): every token counted,
+    the run's prefix in no answer; and once the run is removed and gone, its last counts
+    are still on ``/metrics`` (``DEPARTED_KEEP_S``)."""
+    config = tmp_path / "runs.yaml"
+    _runs_config(config, tmp_path, ("run-a", "run-b"))
+    with sim_fleet(2, tmp_path, sim_args=["--json-layout", "spaced"],
+                   gateway_args=["--config", str(config)]) as f:  # fmt: skip
+        raw = httpx.post(f.sims[0].url + "/v1/completions", json={**BODY, "model": "tiny-base"})
+        assert '"model": "tiny-base"' in raw.text  # the upstream really writes spaces
+        client = httpx.Client(base_url=f.url, auth=("run-a", "key-run-a"), timeout=30)
+        with client:
+            adapter = {"lora_name": "trl-policy-v1", "lora_path": f"{tmp_path}/run-a/trl-policy-v1"}
+            r = client.post("/v1/load_lora_adapter", json=adapter)
+            assert r.status_code == 200, r.text
+            sent = [0, 0]
+            answers = [
+                client.post("/v1/completions", json={**BODY, "n": 3}),
+                client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "trl-policy-v1",
+                        "max_tokens": 3,
+                        "messages": [{"role": "user", "content": "héllo"}],
+                    },
+                ),
+            ]
+            for answer in answers:
+                assert answer.status_code == 200, answer.text
+                assert "run-a~" not in answer.text and answer.json()["model"] == "trl-policy-v1"
+                sent[0] += answer.json()["usage"]["prompt_tokens"]
+                sent[1] += answer.json()["usage"]["completion_tokens"]
+            for options in ({"include_usage": True}, None):
+                stream = {**BODY, "stream": True, "max_tokens": 4,
+                          **({"stream_options": options} if options else {})}  # fmt: skip
+                r = client.post("/v1/completions", json=stream)
+                assert r.status_code == 200 and "run-a~" not in r.text, r.text
+                events = _events(r.text)
+                assert {e["model"] for e in events} == {"trl-policy-v1"}
+                if options:
+                    sent[0] += events[-1]["usage"]["prompt_tokens"]
+                    sent[1] += events[-1]["usage"]["completion_tokens"]
+            missing = client.post("/v1/completions", json={**BODY, "model": "trl-policy-v9"})
+            assert missing.status_code == 404 and "run-a~" not in missing.text
+        assert sent[0] > 0 and sent[1] > 0
+        text = httpx.get(f.url + "/metrics").text
+        assert samples(text, "gateway_run_prompt_tokens_total")[('run="run-a"',)] == sent[0]
+        assert samples(text, "gateway_run_completion_tokens_total")[('run="run-a"',)] == sent[1]
+        assert not any(samples(text, "gateway_run_answers_unread_total").values())
+
+        _runs_config(config, tmp_path, ("run-b",))  # run-a removed: nothing in flight
+        admin = httpx.Client(base_url=f.url, auth=("admin", ADMIN_KEY), timeout=30)
+        with admin:
+            assert admin.post("/gateway/runs/reload").status_code == 200
+
+            def gone() -> bool:
+                runs = admin.get("/gateway/status").json()["runs"]
+                return "run-a" not in {r["name"] for r in runs}
+
+            eventually_sync(gone, "run-a drained, unloaded and gone")
+        text = httpx.get(f.url + "/metrics").text
+        assert samples(text, "gateway_run_prompt_tokens_total")[('run="run-a"',)] == sent[0]
+        assert samples(text, "gateway_run_rollouts_total")[('run="run-a"', 'status_class="2xx"')]
+        assert ('run="run-a"',) not in samples(text, "gateway_run_in_flight")  # counters only
