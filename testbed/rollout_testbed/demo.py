@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -49,7 +50,6 @@ from rollout_testbed.serve import serve_asgi
 from rollout_testbed.sim.app import create_sim_app
 from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.latency import LatencyModel
-from trainer.payload import build_payload
 
 GROUP = 8
 SYSTEM = [random.Random(7).randrange(4, 2000) for _ in range(120)]
@@ -60,6 +60,8 @@ def prompt(rng: random.Random) -> list[int]:
 
 
 async def run_sim(replicas: int, steps: int, prompts_per_step: int, max_staleness: int) -> int:
+    from trainer.payload import build_payload  # ``driver_missing`` put it on the path
+
     sim = SimConfig(max_loras=max_staleness + 2, latency=LatencyModel(prefill=2e-5, decode=5e-4))
     rng = random.Random(0)
     async with contextlib.AsyncExitStack() as stack:
@@ -309,6 +311,24 @@ def run_real(*, replicas: int, steps: int, duration_s: float, max_staleness: int
         print(f"[demo] shut down; total {time.monotonic() - t0:.0f} s", flush=True)
 
 
+def driver_missing() -> str | None:
+    """Both modes use the repository's ``trainer/`` (the sim mode its request body, the
+    real mode the whole driver). It is not packaged (a top-level ``trainer`` in
+    site-packages would shadow any other), so it comes from the checkout: importable
+    already (an editable install), or put on the path from ``REPO`` (the checkout this
+    package lives in, else the working directory). None when found, else the one line to
+    print."""
+    if importlib.util.find_spec("trainer") is None and (REPO / "trainer" / "payload.py").is_file():
+        sys.path.insert(0, str(REPO))
+    if importlib.util.find_spec("trainer") is not None:
+        return None
+    return (
+        "rollout-testbed demo: needs a checkout of rollout-gateway (its trainer/ is the "
+        "demo's driver and is not installed by pip): run it from the checkout's top "
+        "directory (`rollout-testbed demo --sim`, or `make demo`)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     description = (__doc__ or "").split("\n")[0]
     p = argparse.ArgumentParser(prog="rollout-testbed demo", description=description)
@@ -321,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / ".run" / "demo")
     args = p.parse_args(argv)
+    if missing := driver_missing():
+        print(missing, file=sys.stderr)
+        return 2
     if args.sim:
         steps = 6 if args.steps is None else args.steps
         return asyncio.run(run_sim(args.replicas, steps, args.prompts_per_step, args.max_staleness))
