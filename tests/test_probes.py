@@ -53,7 +53,8 @@ def _status(url: str) -> int:
 def test_livez_ignores_the_replicas_readyz_follows_them(tmp_path: Path) -> None:
     sim_port = free_port()
     replica = f"http://127.0.0.1:{sim_port}"  # nothing listens there yet
-    with gateway(replica, tmp_path / "gw.log") as (url, _):
+    # A probe carries no key: the probes answer without one, like /health.
+    with gateway(replica, tmp_path / "gw.log", "--api-key", "probe-test-key") as (url, _):
         assert _status(url + "/livez") == 200
         assert _status(url + "/readyz") == 503
         assert _status(url + "/health") == 503  # unchanged for TRL
