@@ -13,7 +13,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any, NoReturn, get_args
 
 from pydantic import ValidationError
 
@@ -69,8 +69,16 @@ NO_FLAG = {
 }
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A flag mistake is a start error like any other: one line and exit 2, not argparse's
+    usage block (``--help`` prints that)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def _serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _OneLineParser(
         prog="rollout-gateway serve",
         description="Serve N vLLM replicas as one TRL-compatible vLLM endpoint.",
         epilog=_SERVE_EPILOG,
