@@ -7,7 +7,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -15,7 +14,8 @@ from gateway.api.auth import require_tenant
 from gateway.api.probes import fleet_ready
 from gateway.api.requests import request_id
 from gateway.api.responses import gateway_of, json_response, relay_buffered
-from gateway.errors import UpstreamUnavailable
+from gateway.errors import UpstreamError, UpstreamUnavailable
+from gateway.runs.usage import load
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
@@ -55,10 +55,13 @@ async def server_info(request: Request) -> Response:
     results = [r for r in answers if r.status == 200]
     if not results:
         raise UpstreamUnavailable("No healthy replica answered /server_info.")
-    try:
-        infos = [orjson.loads(r.content) for r in results]
-    except orjson.JSONDecodeError:
+    # Any valid JSON, not only what orjson reads (a lone surrogate's escape, 1e400),
+    # written back by the parser that read it (``gateway.runs.usage.load``).
+    loaded = [doc for r in results if (doc := load(r.content)) is not None]
+    if len(loaded) != len(results):
         return relay_buffered(results[0], request_id())
+    infos = [doc for doc, _ in loaded]
+    write = loaded[0][1]
     info = infos[0]
     vllm_config = info.get("vllm_config") if isinstance(info, dict) else None
     if isinstance(vllm_config, dict):
@@ -78,7 +81,7 @@ async def server_info(request: Request) -> Response:
         parallel = vllm_config.setdefault("parallel_config", {})
         if isinstance(parallel, dict):
             parallel["data_parallel_size"] = 1
-    return json_response(info)
+    return Response(write(info), media_type="application/json")
 
 
 async def models(request: Request) -> Response:
@@ -92,7 +95,10 @@ async def models(request: Request) -> Response:
                if r.status == 200]  # fmt: skip
     if not results:
         raise UpstreamUnavailable("No healthy replica answered /v1/models.")
-    listing = orjson.loads(results[0].content)
+    found = load(results[0].content)
+    if found is None or not isinstance(found[0], dict):
+        raise UpstreamError("A replica's /v1/models answer is not a JSON object.")
+    listing = found[0]
     entries = [m for m in listing.get("data", []) if isinstance(m, dict)]
     bases = [m for m in entries if not m.get("parent")]
     known = {m["id"]: m for m in entries if m.get("parent")}

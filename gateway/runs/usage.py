@@ -55,8 +55,9 @@ def _dumps_std(obj: Any) -> bytes:
 
 def load(raw: bytes) -> Loaded | None:
     """``raw`` parsed (None: not JSON). orjson first; the standard library for what orjson
-    refuses and Python servers write (``-Infinity`` logprobs, integers past 64 bits, lone
-    surrogates), written back by the same library so that nothing changes but names."""
+    refuses and Python servers write (``-Infinity`` logprobs, ``1e400``, lone surrogates),
+    written back by the same library so that nothing changes but names. (orjson reads an
+    integer past 64 bits as a float: no OpenAI answer holds one.)"""
     try:
         return orjson.loads(raw), orjson.dumps
     except orjson.JSONDecodeError:
