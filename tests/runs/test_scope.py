@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -173,13 +175,18 @@ def test_every_layout_counts_and_names_as_the_compact_one(
     assert _models(results[0]) == [m.removeprefix(PREFIX) for m in _models(docs)]
 
 
-def test_an_answer_that_is_not_json_loses_the_prefix_and_is_counted() -> None:
+def test_an_answer_that_is_not_json_loses_the_prefix_and_is_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     usage = RunUsage()
-    out = answer_body(RUN, usage, 200, b'{"model": "run-a~trl-policy-v3", "choices": [')
-    assert b"run-a~" not in out and usage.unread["model"] == 1
-    spelled = b'{"model": "\\u0072un-a~x", "choices": ['  # escaped: cannot be found as text
-    answer_body(RUN, usage, 200, spelled)
+    with caplog.at_level(logging.WARNING, logger="gateway.runs"):
+        out = answer_body(RUN, usage, 200, b'{"model": "run-a~trl-policy-v3", "choices": [')
+        assert b"run-a~" not in out and usage.unread["model"] == 1
+        spelled = b'{"model": "\\u0072un-a~x", "choices": ['  # escaped: not found as text
+        answer_body(RUN, usage, 200, spelled)
     assert usage.unread["model"] == 2
+    said = [r.getMessage() for r in caplog.records if "for its model" in r.getMessage()]
+    assert len(said) == 1 and "run run-a" in said[0]  # once per run and part, not per answer
 
 
 def test_an_error_body_loses_an_escaped_prefix_too() -> None:
