@@ -341,11 +341,16 @@ def _check_root(root: Path, where: str) -> None:
 
 
 def _listen(settings: Settings, reuse_port: bool) -> socket.socket:
-    """The listening socket, or ``ValueError`` naming the setting and the fix."""
+    """The listening socket, or ``ValueError`` naming the setting and the fix.
+    ``reuse_port`` (``--workers N``): a plain bind first, since a ``SO_REUSEPORT`` bind
+    succeeds beside another ``--workers`` gateway of this user on the same port, and the
+    kernel would then split the clients between the two gateways."""
     from gateway.http.server import serving
 
     host, port = settings.host, settings.port
     try:
+        if reuse_port and port:
+            serving.listen_socket(host, port).close()
         return serving.listen_socket(host, port, reuse_port=reuse_port)
     except socket.gaierror as exc:
         raise ValueError(f"--host {host}: cannot resolve it ({exc.strerror}): give "

@@ -166,6 +166,8 @@ CASES = [
          expect="--port {taken}: 127.0.0.1:{taken} is already in use"),
     Case("port", "taken-workers", (*R, "--port", "{taken}", "--workers", "2"),
          expect="--port {taken}: 127.0.0.1:{taken} is already in use"),
+    Case("port", "taken-by-workers", (*R, "--port", "{taken_by_workers}", "--workers", "2"),
+         expect="--port {taken_by_workers}: 127.0.0.1:{taken_by_workers} is already in use"),
     Case("port", "not-a-number", (*R, "--port", "eighty"),
          expect="argument --port: invalid int value: 'eighty' (see rollout-gateway serve --help)"),
     Case("workers", "not-a-number", (*R, "--workers", "many"),
@@ -240,9 +242,20 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
+    # As another ``--workers N`` gateway of this user holds its port: SO_REUSEPORT.
+    by_workers = socket.socket()
+    by_workers.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    by_workers.bind(("127.0.0.1", 0))
+    by_workers.listen(1)
     names = {p.name: str(p) for p in d.iterdir()}
-    yield {**names, "missing": str(d / "missing"), "taken": str(taken.getsockname()[1])}
+    ports = {"taken": taken, "taken_by_workers": by_workers}
+    yield {
+        **names,
+        "missing": str(d / "missing"),
+        **{name: str(sock.getsockname()[1]) for name, sock in ports.items()},
+    }
     taken.close()
+    by_workers.close()
     (d / "closed_dir").chmod(0o700)
 
 
