@@ -234,9 +234,7 @@ def serve(argv: Sequence[str]) -> int:
     from gateway.http.server.signals import announce_signals
 
     announce_signals()  # first: no signal ends the gateway unannounced (docs/operations.md)
-    from gateway.app import create_app
     from gateway.config import load_settings
-    from gateway.http.server import serving
     from gateway.logs import configure_logging
 
     args: dict[str, Any] = vars(_serve_parser().parse_args(argv))
@@ -267,6 +265,9 @@ def serve(argv: Sequence[str]) -> int:
         from gateway.supervisor import supervise
 
         return supervise(settings, workers, sock)
+    from gateway.app import create_app  # here: a refused start never pays for its imports
+    from gateway.http.server import serving
+
     app = create_app(settings)
     started = serving.serve(app, sock, lean=app.serve, stopping=app.stopping,
                             shutdown_timeout_s=settings.shutdown_timeout_s)  # fmt: skip
