@@ -224,7 +224,12 @@ def test_sighup_while_draining_ends_nothing(tmp_path: Path) -> None:
             reader = threading.Thread(target=stream, args=(gw.url,), daemon=True)
             reader.start()
             assert first.wait(30) and lines, "the stream's first chunk"
+            # The replica freezes the stream between tokens until the SIGHUPs are answered,
+            # so the drain outlasts them however slow the machine (a marker, not a duration).
+            assert httpx.post(slow + "/pause", params={"mode": "keep"}, timeout=30).is_success
             os.kill(gw.pid, signal.SIGTERM)
-            hangup(gw, "SIGHUP", 2)  # during the drain (a 40-token stream takes 2 s)
+            hangup(gw, "SIGHUP", 2)  # during the drain
+            assert reader.is_alive(), "the stream ended before the SIGHUPs"
+            assert httpx.post(slow + "/resume", timeout=30).is_success
         reader.join(30)
     assert lines[-1] == "data: [DONE]", lines[-3:]

@@ -37,9 +37,11 @@ def header(request: Request, name: bytes) -> bytes | None:
     return table.get(name)
 
 
-# A client's id is taken when it is printable ASCII without space, '"' or backslash, at most
-# 128 bytes: it goes into every log line and upstream header of the request.
-_REQUEST_ID = re.compile(rb"[!#-\[\]-~]{1,128}")
+# A client's id is taken when it is at most 128 bytes of letters, digits and ``-_.:/+=@``
+# (UUIDs, W3C trace ids, base64): it goes into every log line and upstream header of the
+# request. Nothing that a log reader or a replica might decode (``%``, quotes, backslash,
+# spaces, controls) is echoed: such an id is replaced by one of ours.
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9\-_.:/+=@]{1,128}")
 _ID_PREFIX = os.urandom(8).hex()
 _ID_COUNTER = itertools.count()
 

@@ -13,7 +13,6 @@ scope: ``gateway.runs.tenancy.Tenant``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -88,10 +87,9 @@ class RunMode(Protocol):
         ...
 
     async def watch(self, fleet: RunFleet) -> None:
-        """Reload when the config file changes or on ``wake`` (SIGHUP), until cancelled."""
+        """Reload when the config file changes, until cancelled (SIGHUP reloads through
+        ``reload``: ``app.Reloads``)."""
         ...
-
-    def wake(self) -> None: ...
 
     async def aclose(self) -> None:
         """Stop what reloads started (removals still draining)."""
@@ -202,9 +200,6 @@ class SingleRun:
     async def watch(self, fleet: RunFleet) -> None:
         return None
 
-    def wake(self) -> None:
-        return None
-
     async def aclose(self) -> None:
         return None
 
@@ -217,7 +212,6 @@ class MultiRun:
     def __init__(self, tenancy: Tenancy, drain_s: float) -> None:
         self.tenancy = tenancy
         self._lock = asyncio.Lock()
-        self._wake = asyncio.Event()
         self._departures = Departures(tenancy, drain_s)
         self._rehoming: set[asyncio.Task[None]] = set()
         self._stamp: object = None
@@ -396,24 +390,18 @@ class MultiRun:
                  name, sum(unloaded), homes, gained,
                  extra={"event": "run_removed", "run": name})  # fmt: skip
 
-    def wake(self) -> None:
-        self._wake.set()
-
     async def watch(self, fleet: RunFleet) -> None:
         settings = fleet.settings
         if self._stamp is None:
             self._stamp = await asyncio.to_thread(config_stamp, settings)
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(settings.discovery_interval_s):
-                    await self._wake.wait()
-            woke, now = self._wake.is_set(), await asyncio.to_thread(config_stamp, settings)
-            self._wake.clear()
-            if not woke and now == self._stamp:
+            await asyncio.sleep(settings.discovery_interval_s)
+            now = await asyncio.to_thread(config_stamp, settings)
+            if now == self._stamp:
                 continue  # unchanged, or already read by a POST or SIGHUP reload
             self._stamp = now
             try:
-                await self.reload(fleet, "SIGHUP" if woke else "config file changed")
+                await self.reload(fleet, "config file changed")
             except GatewayError as exc:
                 if exc.status != 400:  # a refused set was logged as such
                     log.error("runs reload: %s", exc.message)
