@@ -97,6 +97,12 @@ def _sum(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str,
     return out
 
 
+def _happened(counts: dict[str, float]) -> dict[str, float]:
+    """A counter's non-zero label values: the gateway exports every failure series at 0
+    from the start (so that alerts see the first one); a summary line names what happened."""
+    return {key: value for key, value in counts.items() if value}
+
+
 def gateway_counters(metrics_text: str | None) -> dict[str, Any]:
     """The counters worth a line in the summary, from the server's ``/metrics`` text."""
     if not metrics_text:
@@ -104,10 +110,12 @@ def gateway_counters(metrics_text: str | None) -> dict[str, Any]:
     m = parse_prometheus(metrics_text)
     out: dict[str, Any] = {}
     if "gateway_routing_decisions_total" in m:
-        out["routing decisions"] = _sum(m, "gateway_routing_decisions_total", "reason")
-        out["requests per replica"] = _sum(m, "gateway_replica_routed_requests_total", "replica")
-        out["adapter loads"] = _sum(m, "gateway_adapter_loads_total", "outcome")
-        out["adapter unloads"] = _sum(m, "gateway_adapter_unloads_total", "outcome")
+        out["routing decisions"] = _happened(_sum(m, "gateway_routing_decisions_total", "reason"))
+        out["requests per replica"] = _happened(
+            _sum(m, "gateway_replica_routed_requests_total", "replica")
+        )
+        out["adapter loads"] = _happened(_sum(m, "gateway_adapter_loads_total", "outcome"))
+        out["adapter unloads"] = _happened(_sum(m, "gateway_adapter_unloads_total", "outcome"))
         ev = _sum(m, "gateway_adapter_evictions_total") or _sum(m, "gateway_adapter_evictions")
         out["adapter evictions"] = ev.get("", 0.0)
         out["live versions"] = _sum(m, "gateway_adapter_live_versions", "family")

@@ -97,7 +97,7 @@ def test_kill_and_resume_continues_numbering(tmp_path: Path) -> None:
             ("/v1/load_lora_adapter", name)
         )
     outcomes = {lab["outcome"]: v for lab, v in gw["gateway_adapter_loads_total"]}
-    assert set(outcomes) == {"ok"}
+    assert outcomes["ok"] and not any(v for k, v in outcomes.items() if k != "ok"), outcomes
     # 3. steps continue from the checkpoint; the prompt cursor moved on
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, total + 1))  # history truncated at ck
