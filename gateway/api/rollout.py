@@ -12,14 +12,8 @@ from typing import TYPE_CHECKING
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.api.requests import (
-    check_generation,
-    parse_json_object,
-    session_key,
-)
-from gateway.api.requests import (
-    request_id as current_request_id,
-)
+from gateway.api.requests import check_generation, parse_json_object, session_key
+from gateway.api.requests import request_id as current_request_id
 from gateway.http.relay import BodyResponse, RelayResponse
 from gateway.http.server.inbound import Inbound
 from gateway.http.upstream import (

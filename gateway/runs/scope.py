@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from gateway.errors import NotFound
@@ -92,21 +93,21 @@ def unscope_body(
 
 def answer_body(run: Run, usage: RunUsage, status: int, content: bytes) -> bytes:
     """A complete answer as ``run`` reads it, its tokens counted in ``usage``."""
-    before = usage.unread.total()
-    content = unscope_body(run, status, content, usage.unread)
+    unread = usage.unread
+    before = dict(unread) if unread else None  # almost always empty: nothing to copy
+    content = unscope_body(run, status, content, unread)
     if 200 <= status < 300:
         usage.tokens(usage_tokens(content))
-    _note(run, usage, before)
+    if unread and unread != before:  # rare: an answer vLLM would not write
+        _note(run, unread, before or {})
     return content
 
 
-def _note(run: Run, usage: RunUsage, before: int) -> None:
-    """Say so, once per run and kind, when an answer could not be read."""
-    unread = usage.unread
-    if unread.total() == before:
-        return
+def _note(run: Run, unread: Mapping[str, int], before: Mapping[str, int]) -> None:
+    """Say so, once per run and part, when an answer could not be read: when that part
+    is first counted (not when another part is)."""
     for part, count in unread.items():
-        if count == 1:
+        if count == 1 and not before.get(part):
             log.warning("run %s: a replica's answer could not be read as JSON for its %s "
                         "(counted in gateway_run_answers_unread_total{part=%r}); "
                         "is something between the gateway and vLLM rewriting answers?",
@@ -262,8 +263,9 @@ class StreamUnscope:
         usage = self._usage
         if usage is None:
             return unscope_body(run, status, events)
-        before = usage.unread.total()
-        events = unscope_body(run, status, events, usage.unread)
+        unread = usage.unread
+        before = dict(unread) if unread else None
+        events = unscope_body(run, status, events, unread)
         found = usage_tokens(events)
         if found is UNREADABLE or found is None:
             usage.tokens(found)
@@ -271,5 +273,6 @@ class StreamUnscope:
             seen = self._seen
             self._seen = (max(seen[0], found[0]), max(seen[1], found[1]))
             usage.tokens((self._seen[0] - seen[0], self._seen[1] - seen[1]))
-        _note(run, usage, before)
+        if unread and unread != before:
+            _note(run, unread, before or {})
         return events

@@ -226,3 +226,16 @@ def test_a_listing_in_another_layout_shows_the_runs_own_names_only() -> None:
     )
     out = own_listing(RUN, listing)
     assert [d["id"] for d in json.loads(out)["data"]] == ["tiny-base", "trl-policy-v2"]
+
+
+def test_a_part_first_unread_is_said_without_saying_again_the_part_said_before(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    usage = RunUsage()
+    with caplog.at_level(logging.WARNING, logger="gateway.runs"):
+        answer_body(RUN, usage, 200, b'{"model": "run-a~trl-policy-v3", "choices": [')
+        bad_usage = b'{"model": "x", "usage": {"prompt_tokens": 1, "completion_tokens": ['
+        answer_body(RUN, usage, 200, bad_usage)
+    assert usage.unread == {"model": 1, "usage": 1}
+    said = [r.getMessage() for r in caplog.records if "could not be read" in r.getMessage()]
+    assert len(said) == 2 and "for its model" in said[0] and "for its usage" in said[1], said
