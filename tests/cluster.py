@@ -78,12 +78,14 @@ async def sims(
 
 @contextlib.asynccontextmanager
 async def cluster(
-    n: int = 2, sim_config: SimConfig | Sequence[SimConfig] | None = None, **settings: Any
-) -> AsyncIterator[Cluster]:
-    """``n`` sim replicas behind one gateway. ``settings`` override gateway settings."""
+    n: int = 2, sim_config: SimConfig | Sequence[SimConfig] | None = None, *,
+    idle_s: int | None = None, **settings: Any,
+) -> AsyncIterator[Cluster]:  # fmt: skip
+    """``n`` sim replicas behind one gateway. ``settings`` override gateway settings;
+    ``idle_s``: the gateway's keep-alive idle timeout (``serve_asgi``)."""
     async with sims(n, sim_config) as replicas:
         urls = [r.url for r in replicas]
         overrides: dict[str, Any] = {"replicas": urls, "health_interval_s": 0.2, **settings}
         app = create_app(load_settings(overrides, environ={}))
-        async with serve_asgi(app) as url:
+        async with serve_asgi(app, idle_s=idle_s) as url:
             yield Cluster(url, replicas, app)

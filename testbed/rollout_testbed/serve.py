@@ -18,7 +18,8 @@ from starlette.types import ASGIApp
 
 from gateway.api import FastPath
 from gateway.http.server.h1server import lean_protocol
-from gateway.http.server.serving import listen_socket
+from gateway.http.server.serving import CLIENT_IDLE_S, listen_socket
+from rollout_testbed.sim.server import VLLM_IDLE_S
 
 __all__ = ["serve_asgi"]
 
@@ -40,19 +41,24 @@ async def serve_asgi(
     startup_timeout: float = 10.0,
     http: type[asyncio.Protocol] | None = None,
     tls: tuple[str, str] | None = None,
+    idle_s: int | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``app`` until the block exits; yields its base URL. Lifespan runs as usual.
     The gateway's app gets its lean protocol, as ``rollout-gateway serve`` gives it.
     ``host``: a loopback address (several may share one port); ``tls``: (certificate
-    file, key file) to serve https instead."""
+    file, key file) to serve https instead; ``idle_s``: how long an idle keep-alive
+    connection stays open (default: the gateway's ``CLIENT_IDLE_S`` for the gateway's app,
+    uvicorn's 5 s, as vLLM has it, for any other)."""
     sock = listen_socket(host, port)
     bound = sock.getsockname()[1]
     if http is None and isinstance(app, FastPath):
         http = lean_protocol(app.serve)
+    if idle_s is None:
+        idle_s = CLIENT_IDLE_S if isinstance(app, FastPath) else VLLM_IDLE_S
     cert, key = tls or (None, None)
     config = uvicorn.Config(
         app, http=http or "httptools", log_config=None, access_log=False, lifespan="on",
-        ws="none", ssl_certfile=cert, ssl_keyfile=key,
+        ws="none", ssl_certfile=cert, ssl_keyfile=key, timeout_keep_alive=idle_s,
     )  # fmt: skip
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))

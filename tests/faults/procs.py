@@ -41,9 +41,11 @@ from typing import Any
 
 import httpx
 from rollout_testbed.procs import Proc, free_ports, gateway_argv, sim_argv
+from rollout_testbed.sim.server import VLLM_IDLE_S
 
 from tests.conftest import ADMIN_KEY, CLIENT_KEY, SECRETS, UPSTREAM_TOKEN
 from tests.deploy._proc import base_env
+from tests.eventually import STALL_S
 
 __all__ = [
     "ADMIN",
@@ -149,7 +151,10 @@ class RecordingTransport(httpx.AsyncBaseTransport):
     """An ``httpx`` transport that copies every response into a ``Capture``."""
 
     def __init__(self, capture: Capture) -> None:
-        self._inner = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=512))
+        # Idle connections given up well before a sim closes them (VLLM_IDLE_S): one
+        # reused as the sim's close crossed it was lost with "server disconnected".
+        limits = httpx.Limits(max_connections=512, keepalive_expiry=VLLM_IDLE_S - STALL_S)
+        self._inner = httpx.AsyncHTTPTransport(limits=limits)
         self._capture = capture
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:

@@ -14,6 +14,15 @@ headers and body in two ``send`` calls. When the request carried no body (``POST
 Linux), while Nagle's algorithm holds the body until that ACK: every such call took
 ~44 ms instead of ~0.5 ms (measured against the sim replica). Accepted sockets inherit the
 option from the listening socket, so setting it here fixes every connection.
+
+An idle keep-alive connection is closed after ``CLIENT_IDLE_S`` (75 s, nginx's default),
+not uvicorn's 5 s. Whichever side closes an idle connection first races the other side's
+next request on it: a request sent as the close crosses it is lost with "server
+disconnected" and no answer. The client can only avoid that race if it always gives up
+first, so the server must wait longer than the clients' pools keep a connection: httpx
+keeps one 5 s (exactly uvicorn's default, which is how CI lost a load under
+``--workers 2``), aiohttp 15 s; requests never expires one, but checks it for a close
+before reuse, and a close 75 s into an idle spell is far rarer than one every 5 s.
 """
 
 from __future__ import annotations
@@ -31,7 +40,10 @@ from gateway.http.server.exchange import Handler
 from gateway.http.server.h1server import lean_protocol
 from gateway.http.server.uvicorn_private import DrainingServer
 
-__all__ = ["Stopping", "listen_socket", "serve"]
+__all__ = ["CLIENT_IDLE_S", "Stopping", "listen_socket", "serve", "server_config"]
+
+CLIENT_IDLE_S = 75
+"""How long an idle keep-alive connection is kept open (module docstring)."""
 
 
 class Stopping:
@@ -96,6 +108,20 @@ def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.s
     return sock
 
 
+def server_config(app: Any, lean: Handler | None, shutdown_timeout_s: int) -> uvicorn.Config:
+    """The uvicorn configuration every gateway process serves with (``serve``)."""
+    return uvicorn.Config(
+        app,
+        loop="uvloop",
+        http=lean_protocol(lean) if lean is not None else "httptools",
+        access_log=False,
+        proxy_headers=False,  # the gateway is the edge of its pod; no X-Forwarded-* trust
+        log_config=None,
+        timeout_graceful_shutdown=shutdown_timeout_s,
+        timeout_keep_alive=CLIENT_IDLE_S,
+    )
+
+
 def serve(
     app: Any, sock: socket.socket, *, lean: Handler | None, shutdown_timeout_s: int,
     stopping: Stopping,
@@ -110,15 +136,6 @@ def serve(
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 20, 20)
-    config = uvicorn.Config(
-        app,
-        loop="uvloop",
-        http=lean_protocol(lean) if lean is not None else "httptools",
-        access_log=False,
-        proxy_headers=False,  # the gateway is the edge of its pod; no X-Forwarded-* trust
-        log_config=None,
-        timeout_graceful_shutdown=shutdown_timeout_s,
-    )
-    server = ReadinessDrain(config, stopping)
+    server = ReadinessDrain(server_config(app, lean, shutdown_timeout_s), stopping)
     server.run(sockets=[sock])
     return bool(server.started)

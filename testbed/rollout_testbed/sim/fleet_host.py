@@ -41,7 +41,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.http.server.serving import listen_socket
 from rollout_testbed.sim.app import create_sim_app
 from rollout_testbed.sim.config import SimConfig
-from rollout_testbed.sim.server import add_config_args, config_from_args
+from rollout_testbed.sim.server import VLLM_IDLE_S, add_config_args, config_from_args
 from rollout_testbed.sim.state import SimState
 
 __all__ = ["MAX_HOLD_S", "FleetHost", "build_parser", "format_ports", "main", "parse_ports"]
@@ -182,9 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-alive-s",
         type=float,
-        default=5.0,
-        help="idle keep-alive connections are closed after this long (uvicorn's and "
-        "vLLM's default: 5)",
+        default=float(VLLM_IDLE_S),
+        help=f"idle keep-alive connections are closed after this long (vLLM's default: "
+        f"{VLLM_IDLE_S})",
     )
     p.add_argument("--log-level", default="warning")
     return p

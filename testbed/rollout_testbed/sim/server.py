@@ -20,7 +20,12 @@ from rollout_testbed.sim.config import SimConfig
 from rollout_testbed.sim.latency import LatencyModel
 from rollout_testbed.sim.layout import LAYOUTS, Spaced
 
-__all__ = ["add_config_args", "build_parser", "config_from_args", "main", "serve"]
+__all__ = ["VLLM_IDLE_S", "add_config_args", "build_parser", "config_from_args", "main", "serve"]
+
+VLLM_IDLE_S = 5
+"""How long vLLM keeps an idle keep-alive connection (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``,
+uvicorn's default), and so the sim. A client that talks to a replica directly must give
+up an idle connection sooner, or its next request can cross the replica's close."""
 
 
 def _latency(spec: str) -> LatencyModel:
@@ -116,6 +121,7 @@ def serve(app: ASGIApp, args: argparse.Namespace) -> None:
             lifespan="off",
             access_log=False,
             log_level=args.log_level,
+            timeout_keep_alive=VLLM_IDLE_S,
             timeout_graceful_shutdown=5,  # do not wait forever on requests hung by a fault
         )
     )

@@ -9,15 +9,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import httptools
+import httpx
 import pytest
 from rollout_testbed.serve import serve_asgi
 
 from gateway.http.server import uvicorn_private
 from gateway.http.server.exchange import LeanExchange
 from gateway.http.server.h1server import lean_protocol
+from gateway.http.server.serving import server_config
 from tests.cluster import Cluster, cluster
-from tests.eventually import eventually
+from tests.eventually import STALL_S, eventually
 
 BODY = json.dumps({"model": "tiny-base", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
 
@@ -293,13 +296,26 @@ async def test_gateway_errors_keep_their_status_and_body() -> None:
 
 
 async def test_idle_keep_alive_connection_is_closed() -> None:
-    """uvicorn's default keep-alive timeout (5 s) applies to lean connections too."""
-    async with cluster(1) as c, connection(c) as (reader, writer):
+    """The server's keep-alive timeout applies to lean connections too."""
+    async with cluster(1, idle_s=1) as c, connection(c) as (reader, writer):
         writer.write(post())
         [(status, _, _)] = await reader.responses(1)
         assert status == 200
-        async with asyncio.timeout(8):
+        async with asyncio.timeout(1 + STALL_S):
             assert await reader.reader.read() == b""
+
+
+async def test_the_gateway_outwaits_the_client_pools_idle_expiry() -> None:
+    """A client whose pool keeps an idle connection as long as the server does races the
+    server's close with its next request (``serving`` module docstring): the gateway waits
+    longer than httpx's and aiohttp's pools keep one, read from the libraries themselves."""
+    config = server_config(object(), None, 10)
+    httpx_expiry = httpx.Limits().keepalive_expiry
+    connector = aiohttp.TCPConnector()
+    aiohttp_expiry = connector._keepalive_timeout  # its default: the argument is a sentinel
+    await connector.close()
+    assert httpx_expiry is not None and isinstance(aiohttp_expiry, float)
+    assert config.timeout_keep_alive > max(httpx_expiry, aiohttp_expiry) + STALL_S
 
 
 async def test_handler_failures_become_500_or_a_closed_connection() -> None:
