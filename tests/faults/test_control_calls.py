@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.eventually import eventually
+from tests.eventually import STALL_S, eventually
 from tests.faults.procs import ADMIN, Fleet, fleet
 
 PAUSE = "/pause?mode=keep"
@@ -33,7 +33,7 @@ HUNG_SETTINGS = {"health_timeout_s": 3.0, "broadcast_timeout_s": BROADCAST_S}
 
 
 async def _paused(f: Fleet, index: int) -> bool:
-    r = await f.control.get(f"{f.sims[index].url}/is_paused", timeout=2.0)
+    r = await f.control.get(f"{f.sims[index].url}/is_paused", timeout=4 * STALL_S)
     return bool(r.json()["is_paused"])
 
 

@@ -13,6 +13,7 @@ from gateway.core import Gateway
 from gateway.runs.mode import WorkerRuns
 from gateway.runs.table import Run, RunTable
 from gateway.workers.snapshot import SnapshotFeed
+from tests.eventually import STALL_S, eventually
 
 
 def worker(tmp_path: Path) -> Gateway:
@@ -40,7 +41,8 @@ async def test_a_worker_adopts_removals_rotations_and_a_quick_return(tmp_path: P
     runs = WorkerRuns(gw.tenancy, drain_s=1.0)
     try:
         a, b = gw.tenancy.table["run-a"], gw.tenancy.table["run-b"]
-        rotated = Run("run-a", b"key-run-a-2", 1, a.roots, key_overlap_s=0.2)
+        # The overlap outlasts any stall between the adoption and the checks inside it.
+        rotated = Run("run-a", b"key-run-a-2", 1, a.roots, key_overlap_s=2 * STALL_S)
         runs.adopt(as_sent(RunTable([rotated])))  # run-a's key rotated, run-b removed
         assert named(gw, "key-run-a-2") == named(gw, "key-run-a") == "run-a"  # the overlap
         assert named(gw, "key-run-b") is None and "run-b" in gw.tenancy.leaving
@@ -49,8 +51,12 @@ async def test_a_worker_adopts_removals_rotations_and_a_quick_return(tmp_path: P
         # saw it gone, so the worker takes it back rather than refuse the set
         runs.adopt(as_sent(RunTable([rotated, b])))
         assert named(gw, "key-run-b") == "run-b" and not gw.tenancy.leaving
-        await asyncio.sleep(0.4)  # past the rotated key's overlap (a real timer)
-        assert named(gw, "key-run-a") is None and named(gw, "key-run-a-2") == "run-a"
+
+        async def old_key_gone() -> bool:  # the overlap's end is a real timer
+            return named(gw, "key-run-a") is None
+
+        await eventually(old_key_gone, "the rotated key's overlap to end")
+        assert named(gw, "key-run-a-2") == "run-a"
     finally:
         await runs.aclose()
 
