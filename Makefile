@@ -84,6 +84,15 @@ test-container: venv
 test: venv tools
 	$(BIN)/python scripts/test_layers.py $(if $(LAYERS),--only $(LAYERS))
 
+# LAYERS (default: fast faults-workers-2) three times over, each beside two processes that
+# spin a core each: a change's layers pass here before it is handed in (docs/testing.md).
+HOG_LAYERS ?= fast faults-workers-2
+test-hog: venv tools
+	for i in 1 2 3; do \
+	  $(BIN)/python scripts/test_layers.py --hog 2 --only $(HOG_LAYERS) \
+	    --json .run/test-layers-hog-$$i.json || exit 1; \
+	done
+
 demo: venv vllm
 	$(BIN)/python -m rollout_testbed.demo
 

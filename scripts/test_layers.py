@@ -13,7 +13,9 @@ layer took. Here each layer is one entry of ``LAYERS``:
 - the summary lists each layer with its result, its duration and pytest's own count, and
   is written to ``.run/test-layers.json``; the exit status is 1 when any layer failed.
 
-Run ``python scripts/test_layers.py --list`` for the layers, ``--only NAME ...`` for some.
+Run ``python scripts/test_layers.py --list`` for the layers, ``--only NAME ...`` for some,
+``--hog K`` to run them beside K processes that spin a core each (``make test-hog``): a
+test with less slack than a stalled 2-core box needs fails there first.
 Standard library only: it runs with the gateway venv's python before anything else exists.
 """
 
@@ -28,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -335,6 +338,23 @@ def summary(outcomes: list[Outcome], total_s: float) -> str:
     return "\n".join(lines)
 
 
+HOG_MAX_S = 3 * 3600  # a hog outlives no run: it stops by itself after this long
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[None]:
+    """``count`` processes that each spin one core until the block ends (ended by PID) or,
+    if this process dies first, until ``HOG_MAX_S`` has passed."""
+    spin = f"import time\nend = time.monotonic() + {HOG_MAX_S}\nwhile time.monotonic() < end: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", metavar="LAYER", help="run just these layers")
@@ -342,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=REPO / ".run" / "test-layers.json")
     ap.add_argument("--logs", type=Path, default=REPO / ".run" / "test-layers",
                     help="where each command's whole output is kept")  # fmt: skip
+    ap.add_argument("--hog", type=int, default=0, metavar="K",
+                    help="run beside K processes that each spin a core")  # fmt: skip
     args = ap.parse_args(argv)
     names = [layer.name for layer in LAYERS]
     if args.list:
@@ -358,14 +380,15 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     outcomes: list[Outcome] = []
     missing: dict[str, str] = {}  # what a failed step should have provided -> its name
-    for layer in chosen:
-        if layer.needs in missing:
-            outcomes.append(Outcome(layer.name, f"not run: {missing[layer.needs]} failed", 0.0))
-            continue
-        outcome = run_layer(layer, logs)
-        outcomes.append(outcome)
-        if layer.provides and not outcome.ok:
-            missing[layer.provides] = layer.name
+    with cpu_hogs(args.hog):
+        for layer in chosen:
+            if layer.needs in missing:
+                outcomes.append(Outcome(layer.name, f"not run: {missing[layer.needs]} failed", 0))
+                continue
+            outcome = run_layer(layer, logs)
+            outcomes.append(outcome)
+            if layer.provides and not outcome.ok:
+                missing[layer.provides] = layer.name
     total = time.monotonic() - start
     print(summary(outcomes, total), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -380,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         for o in outcomes
     ]
-    args.json.write_text(json.dumps({"total_s": round(total, 1), "layers": layers}, indent=1))
+    record = {"total_s": round(total, 1), "hogs": args.hog, "layers": layers}
+    args.json.write_text(json.dumps(record, indent=1))
     print(f"the record of this run (per-layer and slowest-test times): {args.json}", flush=True)
     return 0 if all(o.ok for o in outcomes) else 1
 

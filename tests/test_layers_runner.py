@@ -240,3 +240,41 @@ def test_the_record_keeps_each_layers_slowest_tests(
         {"seconds": 0.1, "test": "tests/a.py::test_slow (setup)"},
     ]
     assert "2.5s  one: tests/a.py::test_slow (call)" in capsys.readouterr().out
+
+
+def test_hogs_spin_while_the_layers_run_and_end_with_them() -> None:
+    """``--hog K``: K processes each burn a core for as long as the block lasts, and none
+    outlives it."""
+    runner = load_runner()
+    with runner.cpu_hogs(2):
+        pids = _children_running_spin()
+        assert len(pids) == 2, pids
+        before = [_cpu_ticks(p) for p in pids]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+            _cpu_ticks(p) > b for p, b in zip(pids, before, strict=True)
+        ):
+            time.sleep(0.05)
+        assert all(_cpu_ticks(p) > b for p, b in zip(pids, before, strict=True))
+    assert _children_running_spin() == []
+
+
+def _children_running_spin() -> list[int]:
+    """PIDs of this process's live children running the hog's loop."""
+    me = str(Path("/proc/self").resolve().name)
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            cmd = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[1] == me and fields[0] != "Z" and b"while time.monotonic() < end" in cmd:
+            found.append(int(proc.name))
+    return sorted(found)
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
