@@ -196,6 +196,12 @@ bench-control-plane: venv
 bench-many-runs-sim: venv
 	$(BIN)/python bench/many_runs_sim.py
 
+# A request sent as the server closes its idle connection is lost, unless the client's pool
+# gives the connection up first: why the gateway keeps idle clients 75 s (keepalive-race.*).
+.PHONY: bench-keepalive-race
+bench-keepalive-race: venv
+	$(BIN)/python bench/keepalive_race.py
+
 # A live reload of the run set as another run sees it: p99 with reloads vs without (~3 min).
 .PHONY: bench-run-reloads
 bench-run-reloads: venv
