@@ -167,7 +167,7 @@ LAYERS: tuple[Layer, ...] = (
 # green CI run, rounded down. Raise a floor when a layer gains tests; lower it only with
 # the commit that removes tests, saying why.
 FLOORS = {
-    "fast": 1274,
+    "fast": 1277,
     "trainer": 100,
     "faults-workers-2": 33,
     "container": 11,
