@@ -9,7 +9,7 @@ before the server's idle close (``--idle-s`` minus 0-8 ms), and sends another on
 pooled connection, ``--rounds`` times, for two pool settings side by side:
 
 - ``expiry = idle``: the pool keeps a connection as long as the server does (httpx's 5 s
-  against uvicorn's 5 s, the gateway's default until issue 35's CI run lost a load so);
+  against uvicorn's default 5 s);
 - ``expiry < idle``: the pool gives the connection up first (httpx's 5 s against the
   gateway's 75 s).
 

@@ -20,9 +20,9 @@ not uvicorn's 5 s. Whichever side closes an idle connection first races the othe
 next request on it: a request sent as the close crosses it is lost with "server
 disconnected" and no answer. The client can only avoid that race if it always gives up
 first, so the server must wait longer than the clients' pools keep a connection: httpx
-keeps one 5 s (exactly uvicorn's default, which is how CI lost a load under
-``--workers 2``), aiohttp 15 s; requests never expires one, but checks it for a close
-before reuse, and a close 75 s into an idle spell is far rarer than one every 5 s.
+keeps one 5 s (exactly uvicorn's default), aiohttp 15 s; requests never expires one, but
+checks it for a close before reuse, and a close 75 s into an idle spell is far rarer than
+one every 5 s (``bench/keepalive_race.py`` measures the race).
 """
 
 from __future__ import annotations
