@@ -91,9 +91,10 @@ async def test_gateway_sigkill_mid_run_rebuilds_from_replicas(tmp_path: Path) ->
 async def test_gateway_sigkill_mid_fan_out_converges(tmp_path: Path) -> None:
     async with fleet(tmp_path, 2, gateway_args=["--max-staleness", "2"]) as f:
         assert (await f.load("pol-v1")).status_code == 200
-        await f.faults(1, load_delay_s=3.0)
+        await f.faults(1, load_hang=1)  # replica 1 holds the load until cleared
         loading = asyncio.create_task(f.load("pol-v2"))
         await eventually(lambda: _has(f, 0, "pol-v2"), "replica 0 to hold pol-v2")
+        await eventually(lambda: _asked(f, 1, "pol-v2"), "replica 1 to have the load call")
         assert "pol-v2" not in await f.held(1)  # replica 1 is still loading it
         f.gateway.kill()  # mid fan-out: pol-v2 is on replica 0 only
         outcome = await asyncio.gather(loading, return_exceptions=True)
@@ -122,6 +123,10 @@ async def test_gateway_sigkill_mid_fan_out_converges(tmp_path: Path) -> None:
 async def _busy(f: Fleet) -> bool:
     stats = [await f.sim_stats(i) for i in range(2)]
     return all(s["running"] >= 1 for s in stats)
+
+
+async def _asked(f: Fleet, index: int, name: str) -> bool:
+    return name in (await f.sim_stats(index))["loads"]
 
 
 async def _has(f: Fleet, index: int, name: str) -> bool:

@@ -130,6 +130,24 @@ async def test_hang_until_cleared(sim: SimURL, client: httpx.AsyncClient) -> Non
     assert (await task).status_code == 200
 
 
+async def test_a_load_hangs_until_cleared_and_then_lands(
+    sim: SimURL, client: httpx.AsyncClient
+) -> None:
+    """``load_hang``: a fan-out held mid-way for as long as a test needs (no sleep to race)."""
+    await client.post("/sim/faults", json={"load_hang": 1})
+    body = {"lora_name": "a", "lora_path": "/a"}
+    task = asyncio.create_task(client.post("/v1/load_lora_adapter", json=body))
+    await eventually(lambda: sim.sim.stats.loads == ["a"], "the load in")
+    await asyncio.sleep(0)  # the handler runs on this loop: give it every chance to finish
+    assert not task.done() and "a" not in sim.sim.adapters
+    await client.delete("/sim/faults")
+    assert (await task).status_code == 200
+    assert "a" in sim.sim.adapters
+    # One load only: the next one is not held.
+    body = {"lora_name": "b", "lora_path": "/b"}
+    assert (await client.post("/v1/load_lora_adapter", json=body)).status_code == 200
+
+
 async def test_health_fault_and_load_delay(sim: SimURL, client: httpx.AsyncClient) -> None:
     assert (await client.get("/health")).status_code == 200
     await client.post("/sim/faults", json={"health_status": 503, "load_delay_s": 0.01})

@@ -59,6 +59,7 @@ class Faults:
     load_error: int = 0  # 500 with ``load_error_message``
     load_error_message: str = "Simulated engine failure while loading LoRA adapter"
     load_delay_s: float = 0.0  # added to every load
+    load_hang: int = 0  # loads block until faults are cleared (then go on as usual)
     completion_error: int = 0  # completions/chat answer ``completion_error_status``
     completion_error_status: int = 500
     completion_error_delay_s: float = 0.0  # wait this long before answering the error
@@ -271,6 +272,10 @@ class SimState:
             f = self.faults
             if f.load_delay_s > 0:
                 await asyncio.sleep(f.load_delay_s)
+            fire, f.load_hang = Faults.take(f.load_hang)
+            if fire:  # a fan-out held mid-way for as long as the test needs, not a guess
+                await self._hang_release.wait()
+                f = self.faults  # cleared: the load goes on under the faults set now
             exists, rank = True, None
             if self.config.check_lora_paths:
                 exists, rank = await asyncio.to_thread(_probe_adapter, path)
@@ -410,7 +415,7 @@ class SimState:
     # -- fault control -------------------------------------------------------------------
 
     def clear_faults(self) -> None:
-        """Reset every fault and release requests hung by ``completion_hang``."""
+        """Reset every fault and release what ``completion_hang`` and ``load_hang`` hold."""
         self.faults = Faults()
         self._hang_release.set()
         self._hang_release = asyncio.Event()
