@@ -149,16 +149,12 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "trl",
-        "TRL's own AsyncGRPOTrainer through the gateway: learning, faults, three runs",
+        "TRL's own AsyncGRPOTrainer through the gateway: learning, faults, three runs; the "
+        "scenarios `--workers 2` changes (marker `workers`) against `serve --workers 2`",
+        # One pair of replicas for both modes: the gateway restarts on its port between a
+        # marked scenario and an unmarked one (tests/trl/modes.py). Each scenario runs once.
         ((VLLM_PY, *VLLM_PYTEST, "tests/trl"),),
         env=VLLM_ENV,
-        needs=VLLM,
-    ),
-    Layer(
-        "trl-workers-2",
-        "the TRL scenarios where `--workers 2` changes what happens (marker `workers`)",
-        ((VLLM_PY, *VLLM_PYTEST, "-m", "workers", "tests/trl"),),
-        env={**VLLM_ENV, **WORKERS_ENV},
         needs=VLLM,
     ),
 )
@@ -173,9 +169,8 @@ FLOORS = {
     "container": 11,
     "rehearsal": 7,
     "local-e2e": 10,
-    "e2e": 13,
+    "e2e": 11,  # 13 until the sim twin of the TRL probe and the one-process publish left
     "trl": 22,
-    "trl-workers-2": 4,
 }
 LAYERS = tuple(
     replace(layer, floor=FLOORS[layer.name]) if layer.name in FLOORS else layer for layer in LAYERS

