@@ -164,7 +164,7 @@ def test_the_real_layers_are_cheapest_first_and_install_before_what_needs_it() -
     assert names[:2] == ["lint", "fast"]  # before the multi-GB install
     install = next(i for i, layer in enumerate(layers) if layer.provides == "vllm")
     assert all(i > install for i, layer in enumerate(layers) if layer.needs == "vllm")
-    assert {"trl", "trl-workers-2", "faults-workers-2", "container", "e2e"} <= set(names)
+    assert {"trl", "faults-workers-2", "container", "e2e"} <= set(names)
     # the deploy files' rehearsal runs after the container layer, with the vLLM venv
     rehearsal = names.index("rehearsal")
     assert rehearsal == names.index("container") + 1

@@ -19,6 +19,7 @@ import pytest
 from rollout_testbed.trl.harness import Layer, LayerError, start_layer
 
 from tests.trl.checks import LEARNING
+from tests.trl.modes import workers_for
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 collect_ignore_glob = [] if HAVE_TORCH else ["test_*.py"]
@@ -90,9 +91,11 @@ def trl_layer() -> Iterator[Layer]:
 
 
 @pytest.fixture
-def fleet(trl_layer: Layer) -> Iterator[Layer]:
-    """The session layer; afterwards every replica is running, resumed and healthy again
-    (a fault test's own assertions are made before this runs)."""
+def fleet(trl_layer: Layer, request: pytest.FixtureRequest) -> Iterator[Layer]:
+    """The session layer, its gateway in the test's mode (``workers_for``); afterwards
+    every replica is running, resumed and healthy again (a fault test's own assertions are
+    made before this runs)."""
+    trl_layer.use_gateway(workers_for(request))
     yield trl_layer
     notes = trl_layer.heal()
     if notes:

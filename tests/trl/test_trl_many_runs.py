@@ -59,6 +59,7 @@ from rollout_testbed.trl.many_runs import (
 )
 
 from tests.trl.checks import LORA_NAME, STEPS, Z_EACH, assert_learned
+from tests.trl.modes import workers_for
 
 ORDER = 1.5  # after the happy path (its adapters are the leftovers), before the faults
 SLOTS = 6  # lora_slots_per_replica: two runs of 3 slots per replica
@@ -77,7 +78,7 @@ class Shared:
 
 
 @pytest.fixture(scope="module")
-def shared(trl_layer: Layer) -> Iterator[Shared]:
+def shared(trl_layer: Layer, request: pytest.FixtureRequest) -> Iterator[Shared]:
     layer = trl_layer
     fresh_dir(WORK)
     runs = [RunConf(name, WORK / name).prepare() for name in RUNS]
@@ -91,7 +92,9 @@ def shared(trl_layer: Layer) -> Iterator[Shared]:
             assert post(url + "/v1/load_lora_adapter", {"lora_name": name,
                         "lora_path": str(planted)}, timeout=60) == 200  # fmt: skip
     before = {i: sorted(replica_adapters(u)) for i, u in enumerate(layer.urls)}
-    gw = MultiRunGateway(layer.urls, runs, work=WORK, slots=SLOTS, run_pause="scoped")
+    gw = MultiRunGateway(
+        layer.urls, runs, work=WORK, slots=SLOTS, run_pause="scoped", workers=workers_for(request)
+    )
     try:
         try:
             gw.start()

@@ -78,7 +78,10 @@ from rollout_testbed.trl.many_runs import (
 )
 
 from tests.trl.checks import LORA_NAME
+from tests.trl.modes import workers_for
 
+# The owner sends each worker the new run set: the whole module runs against --workers 2.
+pytestmark = pytest.mark.workers
 ORDER = 1.6  # right after test_trl_many_runs (its fixture pattern), before the chaos run
 STEPS = 24
 SLOTS = 6  # lora_slots_per_replica: two runs of 3 slots per replica
@@ -100,7 +103,7 @@ class Shared:
 
 
 @pytest.fixture(scope="module")
-def shared(trl_layer: Layer) -> Iterator[Shared]:
+def shared(trl_layer: Layer, request: pytest.FixtureRequest) -> Iterator[Shared]:
     layer = trl_layer
     fresh_dir(WORK)
     runs = {name: RunConf(name, WORK / name).prepare() for name in RUNS}
@@ -109,7 +112,8 @@ def shared(trl_layer: Layer) -> Iterator[Shared]:
     # Only the admin's POSTs reload: the file watch (every discovery_interval_s) would
     # otherwise race them for each rewrite and answer the POST "unchanged".
     gw = MultiRunGateway(layer.urls, [runs[n] for n in FIRST], work=WORK, slots=SLOTS,
-                         run_pause="scoped", settings={"discovery_interval_s": 3600})  # fmt: skip
+                         run_pause="scoped", settings={"discovery_interval_s": 3600},
+                         workers=workers_for(request))  # fmt: skip
     try:
         try:
             gw.start()
@@ -152,7 +156,6 @@ def reloads(gw: MultiRunGateway) -> dict[str, float]:
     return {lab: v for n, lab, v in gw.metrics() if n == "gateway_run_reloads_total"}
 
 
-@pytest.mark.workers  # the owner sends each worker the new run set: run again with 2
 @pytest.mark.timeout(1500)
 def test_trl_runs_join_and_leave_live(shared: Shared) -> None:
     layer, gw, runs = shared.layer, shared.gateway, shared.runs

@@ -68,11 +68,11 @@ CHATML_RESPONSE_TEMPLATE: dict[str, Any] = {
 }
 
 
-def _worker_args() -> list[str]:
-    """``ROLLOUT_TESTBED_WORKERS=N`` (as ``rollout_testbed.procs.worker_args``): CI runs
-    this layer against ``serve --workers N`` too."""
-    workers = os.environ.get("ROLLOUT_TESTBED_WORKERS", "").strip()
-    return ["--workers", workers] if workers else []
+def default_workers() -> int:
+    """``ROLLOUT_TESTBED_WORKERS=N`` (as ``rollout_testbed.procs.worker_args``), else 1:
+    what a gateway started without a choice runs (``bench/chaos.py`` under ``--workers 2``).
+    The TRL layer chooses per scenario instead (``Layer.use_gateway``)."""
+    return int(os.environ.get("ROLLOUT_TESTBED_WORKERS", "").strip() or 1)
 
 
 class LayerError(RuntimeError):
@@ -214,8 +214,10 @@ class GatewayProcess:
         max_staleness: int = MAX_STALENESS,
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        workers: int | None = None,
     ) -> None:
         self.replica_urls = list(replica_urls)
+        self.workers = default_workers() if workers is None else workers
         self.port = port
         self.log_path = log_path
         self.max_staleness = max_staleness
@@ -233,7 +235,7 @@ class GatewayProcess:
             str(GATEWAY_PYTHON), "-m", "gateway", "serve", *reps,
             "--port", str(self.port), "--max-staleness", str(self.max_staleness),
             "--health-interval-s", "1", "--health-timeout-s", "1",
-            "--shutdown-timeout-s", "2", *_worker_args(), *self.extra_args,
+            "--shutdown-timeout-s", "2", "--workers", str(self.workers), *self.extra_args,
         ]  # fmt: skip
 
     def start(self, timeout: float = 90.0, require_healthy: bool = True) -> None:
@@ -620,6 +622,24 @@ class Layer:
         kw.setdefault("output_dir", fresh_dir(TRL_DIR / "runs" / name))
         return RunSpec(name=name, base_url=self.gateway.url, max_steps=max_steps,
                        replica_urls=list(self.urls), **kw)  # fmt: skip
+
+    def use_gateway(self, workers: int) -> None:
+        """The layer's gateway as ``serve --workers N``: restarted on its port when it
+        runs another N. One pair of replicas serves both modes, so a scenario runs in the
+        mode it proves (the ``workers`` marker in tests/trl) without a second layer paying
+        the replicas' start again."""
+        gw = self.gateway
+        if gw.workers == workers and gw.proc is not None and gw.proc.poll() is None:
+            return
+        gw.stop()
+        self.gateway = GatewayProcess(gw.replica_urls, port=gw.port, log_path=gw.log_path,
+                                      max_staleness=gw.max_staleness, extra_args=gw.extra_args,
+                                      env=gw.env, workers=workers)  # fmt: skip
+        self.gateway.start()
+        url = self.gateway.url + "/gateway/status"
+        # A worker's status lists every worker the owner has heard from (none: one process).
+        wait_for(lambda: (len(get_json(url).get("workers", [])) or 1) == workers, 30,
+                 f"the gateway to run {workers} worker(s)")  # fmt: skip
 
     def replica(self, index: int) -> tuple[Any, Any]:
         """The newest (ReplicaSet, Replica) serving ``urls[index]``."""

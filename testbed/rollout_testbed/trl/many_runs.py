@@ -109,6 +109,7 @@ class MultiRunGateway(H.GatewayProcess):
         slots: int | None,
         run_pause: str = "scoped",
         settings: dict[str, Any] | None = None,
+        workers: int | None = None,
     ) -> None:
         import yaml
 
@@ -120,7 +121,8 @@ class MultiRunGateway(H.GatewayProcess):
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         self.runs = {r.name: r for r in runs}
         super().__init__(replica_urls, port=free_port(), log_path=work / "gateway.log",
-                         extra_args=("--config", str(self.config_path)))  # fmt: skip
+                         extra_args=("--config", str(self.config_path)),
+                         workers=workers)  # fmt: skip
 
     def start(self, timeout: float = 90.0, require_healthy: bool = True) -> None:
         """Up, every replica healthy by its own status, and every run placed."""
