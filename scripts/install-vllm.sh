@@ -31,7 +31,7 @@ REQUIREMENTS=(
   "transformers==5.19.0"
   "tokenizers==0.23.3"
   "safetensors==0.8.0"
-  # TRL's own client code drives the gateway in tests/e2e/test_trl_client.py.
+  # TRL's own client code drives the gateway in tests/e2e/trl_probe.py.
   "trl==$TRL_VERSION"
   # The trainer's tests and plots run with this interpreter (tests/trainer).
   "pytest==9.2.0"

@@ -43,8 +43,7 @@ class FastPath:
     Rollouts are the gateway's whole load; on 2 cores the proxy's CPU per request is its
     throughput, and the generic stack (route matching, two exception middlewares wrapping
     every ``send``, then the ASGI scope, ``Request`` and ``Response`` objects) cost a
-    measurable share of it (``bench/overhead.py``, ``bench/cpu_per_request.py`` at
-    ``d1567bc``).
+    measurable share of it (docs/decisions.md, 'API: a fast path past Starlette').
     Everything else goes to the full Starlette app. Errors are mapped exactly as its
     handlers map them.
     """

@@ -17,13 +17,11 @@ budget's buckets follow the breakers; then each worker's in-flight row, the flee
 table (a sequence number and the sum) and the time it was summed.
 
 The fleet-load table is summed every ``FLEET_LOADS_S`` (2 ms) by whichever worker finds it
-due (``publish_fleet_loads_due``), not only by the owner's 50 ms loop. Why (issue 28,
-``bench/results/cores-saturated.md``): when the replicas are the bottleneck, a replica
-over the bound in a table up to 100 ms old is avoided by every worker's new keys for
-those 100 ms, while it drains its queue in a few (56 slots x 4 ms: ~5 ms); the walk's
-next replicas take its share on top of theirs. The fleet herded from replica to replica:
-with ``--workers 8`` over 4 saturating fakes, 33k req/s and p99 17 ms under prefix
-routing against 52k and 7 ms under ``--router round_robin`` on the same plumbing.
+due (``publish_fleet_loads_due``), not only by the owner's 50 ms loop. Why: when the
+replicas are the bottleneck, a replica over the bound in an old table is avoided by every
+worker's new keys for as long as the table is old, while it drains its queue in a few ms
+(56 slots x 4 ms: ~5 ms); the walk's next replicas take its share on top of theirs, and
+the fleet herds from replica to replica (docs/decisions.md, 'Workers: fleet-load period').
 
 Plain cell writes need no lock (a lost update of an error count is harmless); every state
 change and the claim of a half-open trial take the one process-shared lock, so two workers
@@ -34,14 +32,13 @@ only add the lock around those public calls, so there is one copy of each rule.
 
 The lock is a POSIX record lock (``fcntl``) on a memfd, not a semaphore. Why: the kernel
 drops a record lock when the process holding it exits, however it died; a semaphore held
-by a killed worker stays taken for ever. The semaphore this replaced was therefore waited
-on for at most 50 ms, after which the caller carried on *without* it, which broke the
-guarantees above whenever a live holder was merely preempted for 50 ms (two trials at
-once, an ejection over the cap, two writers of the fleet-load table). With a lock that
-cannot outlive its holder, every caller waits for it, and only ever waits on a live
-process holding it for a few microseconds of arithmetic on these cells (never across I/O
-or an ``await``). A worker killed mid-change can leave that change half done, as it could
-before; where that would stick, the next one mends it (a trial whose process is gone is no
+by a killed worker stays taken for ever, so it could only be waited on for a while, and a
+caller that then carried on without it would break the guarantees above whenever a live
+holder was merely preempted (docs/decisions.md, 'Workers: a lock that dies with its
+holder'). With a lock that cannot outlive its holder, every caller waits for it, and only
+ever waits on a live process holding it for a few microseconds of arithmetic on these
+cells (never across I/O or an ``await``). A worker killed mid-change can leave that change
+half done; where that would stick, the next one mends it (a trial whose process is gone is no
 longer in flight, ``_sum`` mends an odd sequence). A holder that is stopped, not dead
 (``SIGSTOP``, a debugger), holds up the others: that is the lock doing its job.
 """

@@ -1,11 +1,10 @@
 """A minimal keep-alive HTTP/1.1 client for the ROUTED data path (asyncio + httptools).
 
-Why: against an instant upstream, aiohttp's ``ClientSession.request`` (tracing hooks,
-``ClientRequest``, multidict headers, payload registry, timer objects, ``StreamReader``)
-was about a third of the gateway's CPU per proxied completion. This client writes one
-pre-assembled request (head + body, one ``write``) on a pooled connection and parses the
-response with ``httptools`` (already installed for uvicorn): ``bench/cpu_per_request.py`` at
-``d1567bc`` has the measured difference.
+Why: aiohttp's ``ClientSession.request`` does work a rollout does not need (tracing hooks,
+``ClientRequest``, multidict headers, payload registry, timer objects, ``StreamReader``),
+on the path every rollout takes (docs/decisions.md, 'HTTP: an own client for rollouts').
+This client writes one pre-assembled request (head + body, one ``write``) on a pooled
+connection and parses the response with ``httptools`` (already installed for uvicorn).
 
 Scope: one request at a time per connection, ``Content-Length`` or chunked responses
 (or a body ended by the close), streaming (SSE) bodies with back-pressure, plain ``http``

@@ -1,16 +1,12 @@
 """Upstream HTTP: one shared aiohttp session, header hygiene, auth injection, error mapping.
 
-Client choice, by measurement (``bench/transport.py`` at ``d1567bc``, committed results in
-``bench/results/transport.md`` at ``d1567bc``): against an instant upstream at 64 in flight, CPU per
-request was httpx (httpcore) 19.8x, ``httpx.AsyncClient`` over the ``httpx-aiohttp``
-transport 3.6x, that transport without ``AsyncClient`` 1.7x, relative to a plain
-``aiohttp.ClientSession`` (1.0x). On a 2-core box the proxy's CPU per request *is* its
-throughput, so upstream calls speak aiohttp directly: no cookie jar, no redirect or auth
-machinery, URLs pre-built per replica and path. The ROUTED path goes one step further:
-``send_routed`` uses ``gateway.http.h1client`` (one pre-assembled write per request, httptools
-parsing), which cut the gateway's CPU per proxied completion by ~35 % at 64 in flight and
-~50 % at 1 in flight (``bench/cpu_per_request.py`` at ``d1567bc``). Control-plane calls keep
-aiohttp.
+Client choice, by measurement: on a 2-core box the proxy's CPU per request *is* its
+throughput, and a plain ``aiohttp.ClientSession`` costs the least of the clients measured
+(docs/decisions.md, 'HTTP: aiohttp for upstream calls'), so upstream calls speak aiohttp
+directly: no cookie jar, no redirect or auth machinery, URLs pre-built per replica and
+path. The ROUTED path goes one step further: ``send_routed`` uses ``gateway.http.h1client``
+(one pre-assembled write per request, httptools parsing; docs/decisions.md, 'HTTP: an own
+client for rollouts'). Control-plane calls keep aiohttp.
 
 Header hygiene (RFC 9110 §7.6.1): hop-by-hop headers (and any named in ``Connection``),
 ``Host``, ``Content-Length`` and the client's ``Authorization`` never go upstream; the

@@ -37,30 +37,30 @@ class RoutingConfig:
     #: The ring key is the chain hash ``key_blocks`` blocks past the detected template.
     key_blocks: int = 8
     #: epsilon of bounded-load consistent hashing: bound = ceil((1 + eps) * (load + 1) / n).
-    #: 0.15 (was 0.25): served max/mean on (a) at N=32 1.125 -> 1.083, same hit rate.
+    #: Low, for an even spread: a new key moved off its home loses nothing, as nothing is
+    #: cached for it yet (docs/decisions.md, 'Routing: load factor').
     load_epsilon: float = 0.15
     #: The bound never drops below this many in-flight requests. Only *new* keys (a group's
     #: first sample) are held to it; siblings ride on affinity (bound + slack >= 2 G), so any
-    #: value >= G keeps an idle pool from splitting a group. 8 = G (was 16): on multi-turn (b)
-    #: at N=32 served max/mean 1.77 -> 1.35, and 2 real replicas split closer to 50/50.
+    #: value >= G keeps an idle pool from splitting a group; G itself, the lowest such
+    #: value, spreads multi-turn groups the most evenly (docs/decisions.md, 'Routing: load
+    #: bound floor').
     min_load_bound: int = 8
     #: An affinity hit (sibling / continuation) may exceed the bound by this much before it
     #: spills: leaving its KV prefix costs a full prefill, a new key costs nothing.
     affinity_slack: int = 8
     #: With N > 1 data-plane workers (``set_workers``) new keys are bounded by the fleet-wide
-    #: table (``fleet.py``), a few ms old (2 ms period); these three replace ``min_load_bound``,
-    #: ``affinity_slack`` and ``key_blocks`` there (measured: ``bench/workers_routing.py``,
-    #: 8 replicas, ``--set name=value``). Floor 2 G: few moves where loads are small, and
-    #: every move is one a conversation's later turn on another worker cannot repeat ((b),
-    #: 8 workers: continuation on the same replica 66 % at 8 -> 88 %; in-flight max/mean
-    #: 1.15 -> 1.18).
+    #: table (``fleet.py``), a few ms old (2 ms period); these three stand in for
+    #: ``min_load_bound``, ``affinity_slack`` and ``key_blocks`` there. Floor 2 G: few moves
+    #: where loads are small, and every move is one a conversation's later turn on another
+    #: worker cannot repeat (docs/decisions.md, 'Routing: fleet load floor').
     fleet_min_load_bound: int = 16
-    #: 2 G: the table may not yet show the groups placed since it was taken ((b), 2 workers,
-    #: table 50-100 ms old: spills 1.3 % at 8 -> 0.04 %, groups whole 92 % -> 99 %).
+    #: 2 G: the table may not yet show the groups placed since it was taken
+    #: (docs/decisions.md, 'Routing: fleet affinity slack').
     fleet_affinity_slack: int = 16
     #: Ring key one block past the template: a block every sample of a group and every
     #: turn of its conversations share, so a worker that never saw the conversation still
-    #: computes its replica ((b), 8 workers: continuation 63.5 % at 8 -> 88 %).
+    #: computes its replica (docs/decisions.md, 'Routing: fleet ring key').
     fleet_key_blocks: int = 1
     #: Virtual nodes per replica on the ring (share spread ~ 1/sqrt(V)).
     virtual_nodes: int = 200

@@ -16,10 +16,10 @@ therefore get the same F on any worker. The private index does not get a say: a 
 worker has served verbatim before (an earlier sibling; the same prompt in a later epoch)
 is placed by F like a new one, its record only naming the reason (``affinity`` when F
 agrees with it, ``spill`` when not). Following the record instead would send a repeat to
-wherever *this* worker sent it last time while workers without a record take F: on (a)'s
-prompts over 4 epochs at 8 workers, 65 % of groups whole against 97 %. (The price: a
-repeat whose F moved since the last epoch misses the prefix still cached where it went
-then; hit rate vs oracle on that workload 0.984 against 0.997 for the per-worker routers.)
+wherever *this* worker sent it last time while workers without a record take F, and split
+its group. (The price: a repeat whose F moved since the last epoch misses the prefix still
+cached where it went then; docs/decisions.md, 'Routing: a repeat follows the fleet's
+choice'.)
 The index steers only a prompt that extends an earlier one (a multi-turn continuation: the
 previous turn's KV is where this worker sent it), within bound + ``fleet_affinity_slack``.
 One exception: a prompt capped at ``max_blocks`` (1024 tokens) is keyed by its first K
@@ -36,16 +36,13 @@ still computes its replica (unless the walk moved it).
 
 What the table must be (the caller's part). One snapshot, the same for every worker, held
 between refreshes: siblings agree because they read the same table. Live counts are the
-worst input, not the best: a sibling's own dispatch changes the next sibling's view. In
-``bench/workers_routing.py`` (a), 8 workers: one shared 50 ms snapshot keeps 96.9 % of
-groups on one replica (97.0 % when it is 50-100 ms old); live counts 25 %, each worker
-sampling the counts on its own 50 ms timer 52 %. So publish the sum once per period (one
-writer at a time, a sequence number) and let every worker adopt it as soon as it is
-published. The period is 2 ms (``gateway.fleet.shared.FLEET_LOADS_S``), not 50: when the
-replicas saturate, a replica over the bound drains in a few ms, and a table 100 ms old
-kept every worker's new keys off it that long (the fleet herded: 8 workers, 4 saturating
-fakes, 32k req/s, p99 19.8 ms at 100 ms; 36.9k, 14.9 ms at 10 ms; 38.8k, 11.0 ms at 2 ms;
-``bench/results/cores-saturated.md``).
+worst input, not the best: a sibling's own dispatch changes the next sibling's view
+(docs/decisions.md, 'Routing: one load snapshot for all workers'). So publish the sum once
+per period (one writer at a time, a sequence number) and let every worker adopt it as soon
+as it is published. The period is a few ms (``gateway.fleet.shared.FLEET_LOADS_S``): when
+the replicas saturate, a replica over the bound drains in a few ms, and a table older than
+that keeps every worker's new keys off it for as long, so the fleet herds
+(docs/decisions.md, 'Workers: fleet-load period').
 
 Sans-I/O: no clock, no shared memory; the caller brings the table.
 """

@@ -122,7 +122,7 @@ def _compact(content: bytes, at: int) -> tuple[int, int] | None:
     limit = min(len(content), start + _WINDOW)
     end = content.find(b"}", start, limit)
     # Each nested object (prompt_tokens_details) moves the end one "}" on: found by find
-    # (memchr), not byte by byte in Python (that loop was 90 % of this function's work).
+    # (memchr), not byte by byte in Python (docs/decisions.md, 'Runs: the usage scan').
     while end >= 0 and content.count(b"{", start, end) > content.count(b"}", start, end + 1):
         end = content.find(b"}", end + 1, limit)
     if end < 0:

@@ -2,11 +2,10 @@
 
 Why: a rollout read by ``gateway.http.server.h1server`` never becomes an ASGI scope, a Starlette
 ``Request`` or a ``Response``: building those, and the coroutine layers that pass them
-along, cost about a fifth of the gateway's CPU per rollout (``bench/cpu_per_request.py``,
-at ``d1567bc``; valgrind counts 4 %: ``bench/results/instructions.md`` at ``4e10f27``).
-Requests that uvicorn serves (hand-offs,
-FORWARDED paths) are described by the same object, built from their scope, so routing,
-dispatch and error mapping exist once.
+along, is work a rollout does not need (docs/decisions.md, 'HTTP: one request object, no
+ASGI on the lean path'). Requests that uvicorn serves (hand-offs, FORWARDED paths) are
+described by the same object, built from their scope, so routing, dispatch and error
+mapping exist once.
 """
 
 from __future__ import annotations
