@@ -1,4 +1,25 @@
-"""rollout-gateway: N vLLM replicas behind one TRL-compatible vLLM URL."""
+"""rollout-gateway: N vLLM replicas behind one TRL-compatible vLLM URL.
+
+Its modules and folders, bottom to top (``docs/architecture.md``, "Layout"):
+
+* ``errors``      OpenAI-style errors, each with its HTTP status
+* ``logs``        logging setup: human-readable or one JSON object per line
+* ``routing``     the pure routing cores: prompt keys, the ring, the policies
+* ``config``      ``Settings``: flags, environment and file, validated once at start
+* ``roles``       what a process's role changes: the role parts, as Protocols
+* ``http``        the socket layer: the server, the upstream clients, the relay
+* ``adapters``    the adapters' state machine and the calls that carry it out
+* ``runs``        several runs sharing one fleet: keys, homes, fair share, usage
+* ``metrics``     every Prometheus metric, defined once
+* ``fleet``       the replicas: health, rotation, a request's selection and ledger
+* ``core``        ``Gateway``: the parts of one process, held together
+* ``api``         the HTTP surface: what each path does
+* ``workers``     ``serve --workers N``: the owner, the workers, their messages
+* ``app``         the ASGI app factory and its lifespan
+* ``supervisor``  ``serve --workers N``: forks the owner and the workers, restarts them
+* ``cli``         ``rollout-gateway``: one subcommand per job
+* ``__main__``    ``python -m gateway``, as the console script
+"""
 
 from __future__ import annotations
 

@@ -19,7 +19,18 @@ anything else                              FORWARDED   one healthy replica (leas
 =========================================  ==========  ==========================================
 
 Handlers parse a body at most once, ask the router for a decision, let ``upstream`` do the
-I/O and report back to the pool and metrics in ``finally``.
+I/O and report back to the pool and metrics in ``finally``. The modules:
+
+* ``fastpath``   the outer ASGI app and the lean server's handler: every rollout's path
+* ``rollout``    one rollout planned and dispatched: a replica, another one on a failure
+* ``requests``   reading and checking a request: body size, JSON, headers, parameters
+* ``responses``  building responses: JSON, OpenAI-style errors, a replica's answer
+* ``auth``       which keys a handler needs, and which run a request belongs to
+* ``broadcast``  BROADCAST: the control calls every replica must apply
+* ``fanin``      FAN-IN: one answer made from every replica's
+* ``forward``    FORWARDED: any other path, to one replica
+* ``probes``     ``/livez`` and ``/readyz``
+* ``routes``     the route table: which handler serves each path
 """
 
 from gateway.api.fastpath import FastPath
