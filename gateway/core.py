@@ -2,20 +2,32 @@
 (``request.app.state.gateway``), and its ``/gateway/status``.
 
 Each part has one job and gets what it needs when it is built (``gateway.app`` builds
-them, bottom up); none is patched in later (``tests/test_parts.py``):
+them, bottom up); none is patched in later (``tests/test_parts.py``). The table names every
+field of ``Gateway``, in field order, and the module that defines its type
+(``tests/test_docstrings.py`` holds it to the dataclass and the tree):
 
 =================  ============================  ========================================
 part               module                        its job
 =================  ============================  ========================================
+``settings``       ``config``                    every setting, validated once at start
+``pool``           ``fleet.replicas``            the replicas: membership, health,
+                                                 in-flight counts
+``upstream``       ``http.upstream``             every call to a replica
+``router``         ``routing.policy``            the routing policy: a replica, and why
+``metrics``        ``metrics``                   every metric, defined once
+``tenancy``        ``runs.tenancy``              the runs: each run's adapters, homes,
+                                                 pause
+``mode``           ``runs.mode``                 what differs between one implicit run
+                                                 and several named ones
 ``rotation``       ``fleet.rotation``            which replicas are in: breakers,
                                                  ejections, what leaving undoes, quorum
-``selection``      ``routing.selection``         the routing decision: candidates, choice
+``selection``      ``fleet.selection``           the routing decision: candidates, choice
 ``ledger``         ``fleet.ledger``              one request's books: entry, attempts, exit
 ``fleet``          ``fleet.fanout``              one call on several replicas
 ``control``        ``fleet.control``             the fleet's pause state and its broadcasts
 ``health``         ``fleet.health``              health rounds and membership
 ``credentials``    ``runs.credentials``          client and admin keys; the run a key names
-``peers``          ``workers.roles``             the other processes (the owner's ``Hub``)
+``peers``          ``roles``                     the other processes (the owner's ``Hub``)
 =================  ============================  ========================================
 
 A data-plane worker and the owner differ only by the role parts they were given
