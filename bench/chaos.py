@@ -51,6 +51,7 @@ from rollout_testbed.chaos.schedule import (  # noqa: E402
     summary,
 )
 from rollout_testbed.trl import harness as H  # noqa: E402
+from rollout_testbed.trl.learning import judge  # noqa: E402
 
 from bench.lib import report  # noqa: E402
 
@@ -58,20 +59,9 @@ LOAD_DEADLINE_S = float(H.GATEWAY_ENV["GATEWAY_ADAPTER_LOAD_DEADLINE_S"])
 
 
 def learned(rewards: Any, what: str = "reward") -> tuple[bool, str]:
-    """tests/trl/checks.py's rule (z > 3 and 1.25x, last 10 steps against the first 10)."""
-    from tests.trl.checks import assert_learned
-
-    if len(rewards) < 20:
-        return False, f"only {len(rewards)} steps (the rule needs 20)"
-    try:
-        z = assert_learned(rewards, what)
-    except AssertionError:
-        from tests.trl.checks import LEARNING
-
-        return False, LEARNING[-1] if LEARNING else "rule failed"
-    from tests.trl.checks import LEARNING
-
-    return True, (LEARNING[-1] if LEARNING else f"z {z:.1f}")
+    """The TRL layer's learning rule (``rollout_testbed.trl.learning.judge``), as a goal."""
+    verdict = judge(rewards, what)
+    return verdict.passed, verdict.line
 
 
 def _pct(xs: list[float], q: float) -> float | None:
