@@ -61,6 +61,7 @@ from rollout_testbed.local.replicas import ReplicaSet, start_replicas, stop_repl
 from rollout_testbed.procs import Proc, free_port, free_ports  # noqa: E402
 
 from bench.lib import report  # noqa: E402
+from bench.lib.percentile import pct  # noqa: E402
 from trainer.payload import build_payload  # noqa: E402
 
 CAPACITY = 16  # the launcher's --max-num-seqs
@@ -288,11 +289,6 @@ def weighted(rs: ReplicaSet, root: Path, args: argparse.Namespace) -> dict[str, 
         out = asyncio.run(go())
     print(out, flush=True)
     return out
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def summarize(windows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
