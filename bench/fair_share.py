@@ -62,6 +62,7 @@ from rollout_testbed.procs import Proc, free_port, free_ports  # noqa: E402
 
 from bench.lib import report  # noqa: E402
 from bench.lib.percentile import pct  # noqa: E402
+from bench.lib.replica_metrics import counters  # noqa: E402
 from trainer.payload import build_payload  # noqa: E402
 
 CAPACITY = 16  # the launcher's --max-num-seqs
@@ -201,15 +202,6 @@ def held_in(metrics: str, run: str) -> float:
         if line.startswith(want):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-def counters(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:prefix_cache_") and not line.startswith("#"):
-            name = line.split("{")[0].split(" ")[0]
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def hit_rates(rs: ReplicaSet, before: list[dict[str, float]]) -> list[float]:

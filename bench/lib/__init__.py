@@ -10,6 +10,7 @@
 * ``cpu``: the one reader of a process's (or process tree's) CPU time, from ``/proc``.
 * ``rounds``: paired rounds (every variant once per round, the order rotated) and the
   medians and per-round ratios taken over them.
+* ``replica_metrics``: a vLLM replica's ``vllm:*`` counters from ``/metrics``.
 * ``percentile``: the one percentile rule the scripts quote (rank ``int(q * n)``).
 * ``report``: machine facts, and the JSON + Markdown (+ PNG) a result is written as.
 * ``podman``: the image benchmark's podman calls.

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench.lib import cpu, load, percentile
+from bench.lib import cpu, load, percentile, replica_metrics
 from bench.lib.rounds import Budget, med, paired_rounds, ratio_per_round, rotated
 from bench.lib.upstream import RESPONSE, sse_chunks
 
@@ -110,3 +110,17 @@ def test_the_percentile_is_the_value_at_rank_q_n() -> None:
     assert percentile.pct_or_none([], 0.5, 2) is None
     with pytest.raises(ValueError):
         percentile.pct([], 0.5)
+
+
+def test_replica_counters_are_summed_over_labels_and_vllm_only() -> None:
+    text = (
+        "# TYPE vllm:prefix_cache_hits_total counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 3.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 4.0\n'
+        "vllm:prefix_cache_queries_total 1e1\n"
+        "process_cpu_seconds_total 9.0\n"
+    )
+    assert replica_metrics.summed(text) == {
+        "vllm:prefix_cache_hits_total": 7.0,
+        "vllm:prefix_cache_queries_total": 10.0,
+    }
