@@ -28,8 +28,8 @@ help:
 	@echo "make bench-ceiling - max sustained req/s vs vllm-router, with a py-spy profile (<= 15 min)"
 	@echo "                     (bench/results/ceiling/)"
 	@echo "make bench-cores     - --workers N vs vllm-router on N cores (cores.*, a >= 16-CPU host)"
-	@echo "make bench-instructions BASE=<commit> INSTR=instructions-<change> - valgrind instructions per"
-	@echo "                     request, BASE vs this tree (or TREE=<commit>): INSTR's .json/.md"
+	@echo "make bench-instructions BASE=<commit> - valgrind instructions per request, BASE vs this"
+	@echo "                     tree (or TREE=<commit>) in .run/; INSTR=instructions-<change> keeps it"
 	@echo "make bench-instructions-<change> - one committed comparison, its two commits pinned"
 	@echo "make bench-instructions-ablations - instructions.ablations.* (bench/ablate.py)"
 	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
@@ -162,23 +162,24 @@ define extract_base
 endef
 
 # Instructions per request by valgrind, BASE (a commit) against TREE (a commit, extracted the
-# same way; default: this working tree). INSTR names the result for what it compares
-# (instructions-<change>) and has no default, so that one comparison never overwrites
-# another. Each committed comparison has its own target below, pinned to its two commits.
+# same way; default: this working tree). INSTR names a result to keep for what it compares
+# (bench/results/instructions-<change>.{json,md}); without it the run is a re-measure and
+# goes to .run/instructions.{json,md}, so that no comparison overwrites another. Each kept
+# comparison has its own target below, pinned to its two commits.
 INSTR ?=
 TREE ?=
 CUR_TREE := $(if $(TREE),$(CURDIR)/.run/bench-tree,$(CURDIR))
+INSTR_OUT := $(if $(INSTR),bench/results/$(INSTR),.run/instructions)
 bench-instructions: venv
-	@test -n "$(INSTR)" || { echo "name the result for what it compares:" \
-	  "make bench-instructions BASE=<commit> [TREE=<commit>] INSTR=instructions-<change>"; exit 2; }
 	$(extract_base)
 	$(if $(TREE),rm -rf $(CUR_TREE) && mkdir -p $(CUR_TREE) && git archive $(TREE) | tar -x -C $(CUR_TREE))
 	$(BIN)/python bench/instructions.py --variant base=$(BASE_TREE) --variant current=$(CUR_TREE) \
-	    --json bench/results/$(INSTR).json --md $(BASE_TREE).md
-	{ echo "# Instructions per request: $(BASE) vs $(or $(TREE),this tree) (make bench-instructions BASE=$(BASE)$(if $(TREE), TREE=$(TREE)) INSTR=$(INSTR))"; \
+	    --json $(INSTR_OUT).json --md $(BASE_TREE).md
+	{ echo "# Instructions per request: $(BASE) vs $(or $(TREE),this tree) (make bench-instructions BASE=$(BASE)$(if $(TREE), TREE=$(TREE))$(if $(INSTR), INSTR=$(INSTR)))"; \
 	  echo; echo "This tree at \`$(if $(TREE),$(TREE),$$(git rev-parse --short HEAD))\`. valgrind counts every user-space instruction"; \
 	  echo "(method: \`bench/instructions.py\`)."; \
-	  echo; cat $(BASE_TREE).md; } > bench/results/$(INSTR).md
+	  echo; cat $(BASE_TREE).md; } > $(INSTR_OUT).md
+	@echo "wrote $(INSTR_OUT).{json,md}"
 
 # The committed comparisons (docs/benchmarks.md), one target each: bench-<result> rewrites
 # bench/results/<result>.{json,md}, the change's tree (TREE) against the tree before it.
