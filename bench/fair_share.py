@@ -61,6 +61,8 @@ from rollout_testbed.local.replicas import ReplicaSet, start_replicas, stop_repl
 from rollout_testbed.procs import Proc, free_port, free_ports  # noqa: E402
 
 from bench.lib import report  # noqa: E402
+from bench.lib.percentile import pct  # noqa: E402
+from bench.lib.replica_metrics import counters  # noqa: E402
 from trainer.payload import build_payload  # noqa: E402
 
 CAPACITY = 16  # the launcher's --max-num-seqs
@@ -202,15 +204,6 @@ def held_in(metrics: str, run: str) -> float:
     return 0.0
 
 
-def counters(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:prefix_cache_") and not line.startswith("#"):
-            name = line.split("{")[0].split(" ")[0]
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def hit_rates(rs: ReplicaSet, before: list[dict[str, float]]) -> list[float]:
     rates = []
     for url, b in zip(rs.urls, before, strict=True):
@@ -288,11 +281,6 @@ def weighted(rs: ReplicaSet, root: Path, args: argparse.Namespace) -> dict[str, 
         out = asyncio.run(go())
     print(out, flush=True)
     return out
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def summarize(windows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

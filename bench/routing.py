@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout_testbed.sim.prefix_cache import BlockPrefixCache
 
+from bench.lib.percentile import pct
 from bench.lib.report import pyplot
 from gateway.routing.policy import (
     CandidateLoads,
@@ -284,11 +285,6 @@ def simulate(
 # -- reporting ---------------------------------------------------------------------------
 
 
-def _pct(xs: list[int], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] / 1000.0
-
-
 def summarize(res: RunResult, oracle_hit: float) -> dict[str, Any]:
     n_req = sum(res.reasons.values())
     coloc = sum(c.most_common(1)[0][1] for c in res.group_replicas.values()) / max(
@@ -310,8 +306,8 @@ def summarize(res: RunResult, oracle_hit: float) -> dict[str, Any]:
         "inflight_max_over_mean": round(max(active) / statistics.mean(active), 3),
         "served_max_over_mean": round(max(res.served) / statistics.mean(res.served), 3),
         "peak_inflight_max": max(res.peak),
-        "route_us_p50": round(_pct(res.route_ns, 0.5), 2),
-        "route_us_p99": round(_pct(res.route_ns, 0.99), 2),
+        "route_us_p50": round(pct(res.route_ns, 0.5) / 1000.0, 2),
+        "route_us_p99": round(pct(res.route_ns, 0.99) / 1000.0, 2),
     }
 
 
@@ -379,8 +375,8 @@ def route_timing(n: int, groups: Workload, rounds: int = 3) -> dict[str, float]:
             best.append(b)
             r.observe(d)
         for name, xs in (("single", single), ("cpu", cpu), ("min5", best)):
-            acc[f"{name}_p50_us"].append(_pct(xs, 0.5))
-            acc[f"{name}_p99_us"].append(_pct(xs, 0.99))
+            acc[f"{name}_p50_us"].append(pct(xs, 0.5) / 1000.0)
+            acc[f"{name}_p99_us"].append(pct(xs, 0.99) / 1000.0)
     out = {k: round(statistics.median(v), 2) for k, v in acc.items()}
     out["requests"] = len(reqs)
     return out

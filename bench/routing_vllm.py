@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from rollout_testbed.local.replicas import (  # noqa: E402
 )
 from rollout_testbed.procs import free_ports  # noqa: E402
 
+from bench.lib.replica_metrics import counters  # noqa: E402
 from trainer.payload import build_payload  # noqa: E402
 
 PROMPTS = 32
@@ -61,7 +61,6 @@ VOCAB = 2048  # the tiny model's vocabulary
 SYSTEM_TOKENS = 100
 BLOCK = 32  # vLLM block size set by rollout_testbed.local.replicas
 SGLANG_PYTHON = "/tmp/sgl/bin/python"
-_METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 
 
 def workload(seed: int = 0) -> list[list[int]]:
@@ -76,14 +75,6 @@ def workload(seed: int = 0) -> list[list[int]]:
 def payload(prompt: list[int], model: str, seed: int) -> dict[str, Any]:
     """TRL's per-sample body (reference/trl-wire.md)."""
     return build_payload(model, prompt, max_tokens=MAX_TOKENS, seed=seed)
-
-
-def counters(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for name, value in _METRIC.findall(text):
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
 
 
 async def drive(base: str, prompts: list[list[int]], model: str) -> dict[str, Any]:

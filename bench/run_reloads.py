@@ -41,6 +41,7 @@ from rollout_testbed.procs import Proc, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: bench.lib
 from bench.lib import report
+from bench.lib.percentile import pct
 
 ADMIN = "bench-admin-key"
 PROMPT = list(range(1, 97))
@@ -116,11 +117,6 @@ def reloader(
             )
     admin.close()
     run_c.close()
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def main(argv: list[str] | None = None) -> int:

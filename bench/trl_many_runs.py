@@ -45,22 +45,15 @@ for _path in (REPO, REPO / "testbed"):  # run from the tree with the vLLM venv's
 from rollout_testbed.trl import harness as H  # noqa: E402
 from rollout_testbed.trl import many_runs as M  # noqa: E402
 
+from bench.lib.percentile import pct_or_none  # noqa: E402
 from bench.lib.report import pyplot  # noqa: E402
+from bench.lib.trl import clean_fleet, last_line  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 WORK = H.TRL_DIR / "bench-many-runs"
 MODES = ("alone", "fleet", "scoped")
 SLOTS = 6
 A_STEPS = 1000  # A trains until B is done, then is stopped
-
-
-def clean_fleet(urls: list[str]) -> None:
-    """Every replica resumed, its adapters unloaded and its prefix cache reset, directly."""
-    for url in urls:
-        H.post(url + "/resume")
-        H.post(url + "/reset_prefix_cache")
-    M.unload_all(urls)
-    H.wait_for(lambda: not any(H.replica_adapters(u) for u in urls), 30, "empty replicas")
 
 
 def sync_windows(calls: list[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -77,13 +70,6 @@ def sync_windows(calls: list[dict[str, Any]]) -> list[tuple[float, float]]:
 
 def _overlaps(t0: float, t1: float, windows: list[tuple[float, float]]) -> bool:
     return any(t0 < b and t1 > a for a, b in windows)
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return round(s[min(len(s) - 1, int(q * len(s)))], 3)
 
 
 def run_mode(mode: str, layer: H.Layer, steps: int, timeout: float) -> dict[str, Any]:
@@ -153,20 +139,20 @@ def summarize(
         "homes": homes,
         "b_steps": rb.get("global_step", rb["summary"].get("global_step")),
         "b_steps_wanted": steps,
-        "b_error": _last_line(rb.get("error") or rb["summary"].get("error") or ""),
+        "b_error": last_line(rb.get("error") or rb["summary"].get("error") or ""),
         "b_wall_s": round(wall, 1),
         "b_steps_per_s": steps_per_s,
         "b_rollouts": len(turns),
         "b_rollouts_failed": sum(not t["ok"] for t in turns),
-        "b_p50_s": _pct(lat_all, 0.5),
-        "b_p99_s": _pct(lat_all, 0.99),
+        "b_p50_s": pct_or_none(lat_all, 0.5, 3),
+        "b_p99_s": pct_or_none(lat_all, 0.99, 3),
         "a_syncs_during_b": len(wa_in),
-        "a_sync_s_p50": _pct(sync_s, 0.5),
+        "a_sync_s_p50": pct_or_none(sync_s, 0.5, 3),
         "a_sync_s_max": round(sync_s[-1], 3) if sync_s else None,
         "a_was_training_at_end": a_alive,
         "b_rollouts_during_a_syncs": len(lat_during),
-        "b_during_p50_s": _pct(lat_during, 0.5),
-        "b_during_p99_s": _pct(lat_during, 0.99),
+        "b_during_p50_s": pct_or_none(lat_during, 0.5, 3),
+        "b_during_p99_s": pct_or_none(lat_during, 0.99, 3),
         "b_during_max_s": round(max(lat_during), 3) if lat_during else None,
         "b_rewards": [round(float(x["reward"]), 4) for x in rb["logs"] if "reward" in x],
         "note": note,
@@ -176,11 +162,6 @@ def summarize(
             "during": [round(x, 4) for x in lat_during],
         },
     }
-
-
-def _last_line(text: str) -> str:
-    lines = [x for x in text.strip().splitlines() if x.strip()]
-    return lines[-1].strip() if lines else ""
 
 
 # --------------------------------------------------------------------------- report

@@ -48,7 +48,9 @@ for _path in (REPO, REPO / "testbed"):  # run from the tree with the vLLM venv's
 
 from rollout_testbed.trl import harness as H  # noqa: E402
 
+from bench.lib.percentile import pct_or_none  # noqa: E402
 from bench.lib.report import pyplot  # noqa: E402
+from bench.lib.trl import clean_fleet, last_line  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 WORK = H.TRL_DIR / "bench"
@@ -163,16 +165,6 @@ def _paused(url: str) -> bool | None:
         return None
 
 
-def clean_fleet(urls: list[str]) -> None:
-    """Every replica resumed, its adapters unloaded and its prefix cache reset, directly."""
-    for url in urls:
-        H.post(url + "/resume")
-        for name in H.replica_adapters(url):
-            H.post(url + "/v1/unload_lora_adapter", {"lora_name": name})
-        H.post(url + "/reset_prefix_cache")
-    H.wait_for(lambda: not any(H.replica_adapters(u) for u in urls), 30, "empty replicas")
-
-
 # --------------------------------------------------------------------------- one mode
 
 
@@ -230,11 +222,6 @@ def _delta(after: list[dict[str, float]], before: list[dict[str, float]], key: s
     return [max(a[key] - b[key], 0.0) for a, b in zip(after, before, strict=True)]
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else None
-
-
 def summarize(
     mode: str, out: Path, wall: float, timed_out: bool, rc: int | None,
     before: list[dict[str, float]], after: list[dict[str, float]], held: dict[int, list[str]],
@@ -278,9 +265,9 @@ def summarize(
         "rewards": rewards,
         "reward_first": round(sum(rewards[:k]) / k, 4) if k else None,
         "reward_last": round(sum(rewards[-k:]) / k, 4) if k else None,
-        "weight_sync_s_p50": _pct(sync, 0.5),
+        "weight_sync_s_p50": pct_or_none(sync, 0.5, 3),
         "weight_sync_s_max": round(max(sync), 3) if sync else None,
-        "http_sync_s_p50": _pct(http_syncs, 0.5),
+        "http_sync_s_p50": pct_or_none(http_syncs, 0.5, 3),
         "http_sync_s_max": round(max(http_syncs), 3) if http_syncs else None,
         "staleness_mean": round(sum(metric("sample/staleness_mean")) / len(logs), 3)
         if logs
@@ -325,7 +312,7 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             f"{' / '.join(f'{x:.0f}' for x in r['rollouts_per_replica'])} | "
             f"{r['prefix_cache_hit_rate']} | {r['loads_on_every_replica']} of {r['loads']} |"
         )
-    notes = [f"- **{r['mode']}**: {_last_line(r['error'])}" for r in results if r["error"]]
+    notes = [f"- **{r['mode']}**: {last_line(r['error'])}" for r in results if r["error"]]
     probes = [f"- **{r['mode']}**: `{json.dumps(r['probe'])}`" for r in results if r.get("probe")]
     md = [
         "# TRL AsyncGRPOTrainer side by side (bench/trl_side_by_side.py)",
@@ -378,7 +365,7 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         if r["rewards"]:
             ax.plot(range(1, len(r["rewards"]) + 1), r["rewards"], label=r["mode"])
         else:  # a run that never stepped still gets its line in the legend
-            why = _last_line(r["error"] or "")
+            why = last_line(r["error"] or "")
             ax.plot([], [], " ", label=f"{r['mode']}: no step ({why})"[:90])
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward (digits)")
@@ -387,11 +374,6 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(RESULTS / "trl-side-by-side.png", dpi=110)
-
-
-def _last_line(text: str) -> str:
-    lines = [x for x in text.strip().splitlines() if x.strip()]
-    return lines[-1].strip() if lines else text
 
 
 def router_version() -> str:

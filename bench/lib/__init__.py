@@ -10,8 +10,11 @@
 * ``cpu``: the one reader of a process's (or process tree's) CPU time, from ``/proc``.
 * ``rounds``: paired rounds (every variant once per round, the order rotated) and the
   medians and per-round ratios taken over them.
+* ``replica_metrics``: a vLLM replica's ``vllm:*`` counters from ``/metrics``.
+* ``percentile``: the one percentile rule the scripts quote (rank ``int(q * n)``).
 * ``report``: machine facts, and the JSON + Markdown (+ PNG) a result is written as.
 * ``podman``: the image benchmark's podman calls.
+* ``trl``: the TRL benchmarks' clean fleet between modes (vLLM venv only).
 
 Scripts import it as ``bench.lib`` (the repository root is on ``sys.path`` in the venv,
 where the gateway is installed editable; the scripts add it too when run by path).

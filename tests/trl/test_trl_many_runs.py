@@ -21,7 +21,7 @@ Every check reads the replicas themselves: a background thread samples each repl
 ``/v1/models`` and ``/is_paused`` every 0.5 s during the runs. 60 steps per run: the syncs
 of three runs interleave (61 loads each), each run must learn (last 10 steps' mean reward
 above the first 10's by > 2.5 standard errors) and the three together must clear the
-happy path's rule (> 3 standard errors); ``checks.assert_learned`` gives the error rates.
+happy path's rule (> 3 standard errors); ``learning.judge`` gives the error rates.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from rollout_testbed.trl.harness import (
     replica_adapters,
     wait_for,
 )
+from rollout_testbed.trl.learning import STEPS, Z_EACH
 from rollout_testbed.trl.many_runs import (
     SEP,
     FleetSampler,
@@ -58,7 +59,7 @@ from rollout_testbed.trl.many_runs import (
     wait_runs,
 )
 
-from tests.trl.checks import LORA_NAME, STEPS, Z_EACH, assert_learned
+from tests.trl.checks import LORA_NAME, assert_learned
 from tests.trl.modes import workers_for
 
 ORDER = 1.5  # after the happy path (its adapters are the leftovers), before the faults
@@ -173,7 +174,7 @@ def test_three_trl_runs_share_one_fleet(shared: Shared) -> None:
         rewards = [float(x["reward"]) for x in out["logs"] if "reward" in x]
         assert len(rewards) == STEPS and all(math.isfinite(x) and 0 <= x <= 1 for x in rewards)
         # Each run learns, sharing the fleet: each clears 2.5 sigma, and the three
-        # together, step by step, clear the happy path's rule (checks.assert_learned gives
+        # together, step by step, clear the happy path's rule (learning.judge gives
         # both error rates). At 40 steps CI saw one run at z 1.5 (its last 10 steps still
         # rising) while the others gained 2-8x: a run on the tiny model can take off late,
         # so every learning run gets 60 steps.

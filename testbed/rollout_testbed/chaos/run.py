@@ -15,7 +15,7 @@ The goals (``goals``), each PASS/FAIL:
 * ``nothing_paused``: no replica answers ``/is_paused`` true, and the gateway's
   ``gateway_fleet_paused`` is 0;
 * ``learned`` (the long run only, when a learning rule is given): the reward rises by
-  ``tests/trl/checks.py``'s rule.
+  ``rollout_testbed.trl.learning``'s rule.
 """
 
 from __future__ import annotations
