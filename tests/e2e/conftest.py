@@ -30,6 +30,7 @@ import random
 import re
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -85,13 +86,10 @@ def replica_timeout() -> float:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with ``E2E_LAST = True`` (the slow kill/restart test) run last."""
-
-    def last(item: pytest.Item) -> bool:
-        module = getattr(item, "module", None)
-        return bool(getattr(module, "E2E_LAST", False))
-
-    items.sort(key=last)  # stable: keeps the collected order otherwise
+    """Modules declare ``E2E_ORDER`` (default 0): the launcher's own checks first (-1),
+    while the replicas are as started; the kill/restart test late (1), as it replaces a
+    replica; the check that stopping leaves nothing last (2), as it stops them."""
+    items.sort(key=lambda item: getattr(getattr(item, "module", None), "E2E_ORDER", 0))
 
 
 # --------------------------------------------------------------------------- gateway
@@ -190,6 +188,7 @@ class E2E:
     replicas: R.ReplicaSet
     gateway: GatewayServer
     sets: list[R.ReplicaSet] = field(default_factory=list)  # everything to stop at the end
+    tmp_before: set[str] = field(default_factory=set)  # /tmp's entries before the start
     urls: list[str] = field(default_factory=list)
     timings: dict[str, Any] = field(default_factory=dict)
     _restarts: int = 0
@@ -309,6 +308,7 @@ def e2e_session() -> Iterator[E2E]:
     except (VllmNotInstalledError, R.ReplicaError, OSError, subprocess.SubprocessError) as exc:
         pytest.fail(f"the real-vLLM e2e layer cannot start:\n{exc}", pytrace=False)
     t_model = time.monotonic() - t0
+    tmp_before = set(os.listdir(tempfile.gettempdir()))
     reuse = os.environ.get(REUSE_ENV)
     try:
         if reuse:
@@ -326,7 +326,8 @@ def e2e_session() -> Iterator[E2E]:
     except (VllmNotInstalledError, R.ReplicaError, OSError, ValueError) as exc:
         pytest.fail(f"the real-vLLM e2e layer cannot start 2 replicas:\n{exc}", pytrace=False)
     owned = [] if reuse else [rs]
-    env = E2E(python, MODEL_DIR, rs, GatewayServer(rs.urls), sets=owned, urls=list(rs.urls))
+    env = E2E(python, MODEL_DIR, rs, GatewayServer(rs.urls), sets=owned, urls=list(rs.urls),
+              tmp_before=tmp_before)  # fmt: skip
     try:
         env.gateway.start()
         env.timings.update(

@@ -24,7 +24,7 @@ from tests.e2e.test_vllm_adapters import TrlSync
 from tests.eventually import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
-E2E_LAST = True  # conftest moves this module to the end of the session
+E2E_ORDER = 1  # late: it replaces replica 0 (tests/e2e/conftest.py)
 
 FAMILY = "kr-policy"
 
