@@ -112,12 +112,24 @@ async def _held_anywhere(f: Fleet, name: str) -> list[int]:
     return [i for i in range(3) if name in await f.held(i)]
 
 
+async def _refused_while_loading(f: Fleet, name: str) -> bool:
+    """Replica 1 had the call (its engine error is immediate) and replica 2, holding its
+    load (``load_hang``), does not hold the adapter yet."""
+    asked = [name in (await f.sim_stats(i))["loads"] for i in (1, 2)]
+    return all(asked) and name not in await f.held(2)
+
+
 async def test_engine_error_on_one_replica_rolls_back_everywhere(f: Fleet) -> None:
     await f.faults(1, load_error=1)
-    await f.faults(2, load_delay_s=0.5)  # replica 0 done, 1 failed, 2 still loading
+    await f.faults(2, load_hang=1)  # replica 0 done, 1 failed, 2 still loading (held)
     watcher = Watcher(f, "err-v1").start()
     try:
-        r = await f.load("err-v1")
+        loading = asyncio.create_task(f.load("err-v1"))
+        await eventually(lambda: _refused_while_loading(f, "err-v1"),
+                         "replica 1 to have refused the load while replica 2 holds it")  # fmt: skip
+        assert not loading.done()  # the verdict waits for replica 2's answer
+        await f.clear_faults(2)  # replica 2's load lands now, to be rolled back
+        r = await loading
         await watcher.rounds(2)  # and after the answer
     finally:
         await watcher.stop()
@@ -136,7 +148,6 @@ async def test_engine_error_on_one_replica_rolls_back_everywhere(f: Fleet) -> No
         assert loads.count("err-v1") == 1, (i, loads)  # an engine error is not retried
 
     # The same name loads cleanly once the fault is gone: no stuck half-state.
-    await f.clear_faults(2)
     assert (await f.load("err-v1")).status_code == 200
     assert await _held_anywhere(f, "err-v1") == [0, 1, 2]
     ok = await f.client.post(
