@@ -39,6 +39,7 @@ __all__ = [
     "LOCAL",
     "Proc",
     "SimFleet",
+    "env_workers",
     "free_port",
     "free_port_on",
     "free_ports",
@@ -378,11 +379,16 @@ def sim_argv(
     return argv + list(extra)
 
 
+def env_workers() -> int:
+    """``ROLLOUT_TESTBED_WORKERS``, else 1: the data-plane workers a test layer asks every
+    ``serve`` it starts to run (CI runs the fault suite with 2)."""
+    return int(os.environ.get("ROLLOUT_TESTBED_WORKERS", "").strip() or 1)
+
+
 def worker_args() -> list[str]:
-    """``--workers N`` when ``ROLLOUT_TESTBED_WORKERS`` asks for it: the test layers that
-    start ``serve`` run with N data-plane workers."""
-    workers = os.environ.get("ROLLOUT_TESTBED_WORKERS", "").strip()
-    return ["--workers", workers] if workers else []
+    """``--workers N`` when ``ROLLOUT_TESTBED_WORKERS`` asks for more than one."""
+    workers = env_workers()
+    return ["--workers", str(workers)] if workers > 1 else []
 
 
 def gateway_argv(

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from rollout_testbed.local import replicas as R
 
-from tests.e2e.conftest import E2E
+from tests.e2e.conftest import E2E, vllm_counter
 from tests.eventually import eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -35,18 +34,6 @@ def replica_set(e2e_session: E2E) -> Iterator[R.ReplicaSet]:
         for r in e2e_session.replicas.replicas:  # what the LoRA test loaded
             R.http_post_json(r.url + "/v1/unload_lora_adapter", {"lora_name": "trl-policy-v1"})
         e2e_session.restart_gateway()
-
-
-def _metric(url: str, name: str) -> float:
-    status, body = R.http_get(url + "/metrics", timeout=10)
-    assert status == 200
-    total = 0.0
-    for line in body.decode().splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
-            if m:
-                total += float(m.group(2))
-    return total
 
 
 def test_replicas_are_healthy_and_pinned(replica_set: R.ReplicaSet) -> None:
@@ -103,7 +90,7 @@ def test_lora_load_on_both_replicas(replica_set: R.ReplicaSet) -> None:
 def test_prefix_cache_counters_increase(replica_set: R.ReplicaSet) -> None:
     r = replica_set.replicas[0]
     prompt = "hello there friend, " * 15  # ~150 tokens: several 32-token blocks, < 512
-    before = _metric(r.url, "vllm:prefix_cache_hits_total")
+    before = vllm_counter(r.url, "vllm:prefix_cache_hits_total")
     cached = []
     for _ in range(2):
         body = {"model": "tiny-base", "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
@@ -115,7 +102,7 @@ def test_prefix_cache_counters_increase(replica_set: R.ReplicaSet) -> None:
         cached.append(details.get("cached_tokens") or 0)
     # vLLM publishes its counters a moment later: wait until they moved, then check how far.
     after = eventually_sync(
-        lambda: (hits := _metric(r.url, "vllm:prefix_cache_hits_total")) > before and hits,
+        lambda: (hits := vllm_counter(r.url, "vllm:prefix_cache_hits_total")) > before and hits,
         "vllm:prefix_cache_hits_total to increase",
         interval=0.5,
     )

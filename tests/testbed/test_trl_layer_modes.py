@@ -36,11 +36,6 @@ def layer(tmp_path: Path) -> Iterator[Layer]:
         stop_all(sims)
 
 
-def workers_listed(layer: Layer) -> int:
-    """The processes serving, by the gateway's own status (one process lists none)."""
-    return len(get_json(layer.gateway.url + "/gateway/status").get("workers", [])) or 1
-
-
 def test_the_gateway_switches_modes_on_its_port_and_keeps_a_running_one(layer: Layer) -> None:
     first = layer.gateway
     first_pid = first.proc.pid if first.proc else None
@@ -50,16 +45,16 @@ def test_the_gateway_switches_modes_on_its_port_and_keeps_a_running_one(layer: L
     layer.use_gateway(2)
     second = layer.gateway
     assert second is not first and first.proc is None  # the old process was stopped
-    assert (second.url, second.workers, workers_listed(layer)) == (first.url, 2, 2)
+    assert (second.url, second.workers, layer.gateway.processes()) == (first.url, 2, 2)
     assert second.command()[second.command().index("--workers") + 1] == "2"
     assert get_json(second.url + "/v1/models")["data"], "the restarted gateway serves"
 
     layer.use_gateway(1)
-    assert (layer.gateway.url, workers_listed(layer)) == (first.url, 1)
+    assert (layer.gateway.url, layer.gateway.processes()) == (first.url, 1)
 
 
 def test_a_stopped_gateway_is_started_in_the_mode_asked(layer: Layer) -> None:
     """A fault test may leave the gateway down: the next scenario's mode starts it."""
     layer.gateway.stop()
     layer.use_gateway(2)
-    assert workers_listed(layer) == 2
+    assert layer.gateway.processes() == 2

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_testbed.local.vllm_env import checkout_root
+from rollout_testbed.procs import env_workers
 
 # The repository: the layer runs the gateway (``.venv``) and the trainer's tasks from a
 # checkout, never from an installed ``rollout-testbed``.
@@ -66,13 +67,6 @@ CHATML_RESPONSE_TEMPLATE: dict[str, Any] = {
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {"content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"}},
 }
-
-
-def default_workers() -> int:
-    """``ROLLOUT_TESTBED_WORKERS=N`` (as ``rollout_testbed.procs.worker_args``), else 1:
-    what a gateway started without a choice runs (``bench/chaos.py`` under ``--workers 2``).
-    The TRL layer chooses per scenario instead (``Layer.use_gateway``)."""
-    return int(os.environ.get("ROLLOUT_TESTBED_WORKERS", "").strip() or 1)
 
 
 class LayerError(RuntimeError):
@@ -217,7 +211,9 @@ class GatewayProcess:
         workers: int | None = None,
     ) -> None:
         self.replica_urls = list(replica_urls)
-        self.workers = default_workers() if workers is None else workers
+        # Unset: what the environment asks (``bench/chaos.py`` under ``--workers 2``); the
+        # TRL layer chooses per scenario instead (``Layer.use_gateway``).
+        self.workers = env_workers() if workers is None else workers
         self.port = port
         self.log_path = log_path
         self.max_staleness = max_staleness
@@ -280,6 +276,11 @@ class GatewayProcess:
         self.stop()
         self.start()
         return time.monotonic() - t0
+
+    def processes(self) -> int:
+        """The data-plane processes serving, by the gateway's own status: a worker's lists
+        every worker the owner has heard from; one process lists none."""
+        return len(get_json(self.url + "/gateway/status").get("workers", [])) or 1
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -636,9 +637,7 @@ class Layer:
                                       max_staleness=gw.max_staleness, extra_args=gw.extra_args,
                                       env=gw.env, workers=workers)  # fmt: skip
         self.gateway.start()
-        url = self.gateway.url + "/gateway/status"
-        # A worker's status lists every worker the owner has heard from (none: one process).
-        wait_for(lambda: (len(get_json(url).get("workers", [])) or 1) == workers, 30,
+        wait_for(lambda: self.gateway.processes() == workers, 30,
                  f"the gateway to run {workers} worker(s)")  # fmt: skip
 
     def replica(self, index: int) -> tuple[Any, Any]:
