@@ -194,6 +194,7 @@ $(eval $(call instructions_ab,instructions-fair-share-affinity-and-reloads,bdefd
 $(eval $(call instructions_ab,instructions-import-order-folders,345695d,36531a9))
 $(eval $(call instructions_ab,instructions-request-ids-probes-drain,b9ad45b,6403905))
 $(eval $(call instructions_ab,instructions-idle-keepalive,4b77c9b,8ab48ed))
+$(eval $(call instructions_ab,instructions-docstrings-and-test-layers,e0d02bb,c25e2ab))
 
 # Copies of this tree with one feature switched off each (bench/ablate.py), against it.
 ABL_TREES := $(CURDIR)/.run/ablations
